@@ -1,0 +1,39 @@
+"""lightning_zero: ZeRO data parallelism as a native PyTorch Lightning strategy.
+
+Importing the package registers the strategy names ``zero1`` and ``zero2`` (and ``*_spawn``
+variants) with Lightning, so ``Trainer(strategy="zero2")`` works. Importing never builds anything.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.zero import (
+    Collectives,
+    CountingCollectives,
+    ModelStateBytes,
+    ZeroOptimizer,
+    model_state_bytes,
+)
+
+__version__ = "0.1.0"
+
+
+def _register_strategies() -> None:
+    if "zero2" not in StrategyRegistry:
+        ZeroStrategy.register_strategies(StrategyRegistry)
+
+
+_register_strategies()
+
+__all__ = [
+    "Collectives",
+    "CountingCollectives",
+    "ModelStateBytes",
+    "ZeroConfig",
+    "ZeroOptimizer",
+    "ZeroPrecision",
+    "ZeroStrategy",
+    "model_state_bytes",
+]

@@ -1,0 +1,76 @@
+"""Typed, frozen configuration for ZeRO that validates itself at construction.
+
+A bad value raises ``ValueError`` naming the field, the value and what would work, so that a
+YAML typo fails before any process is started rather than deep inside a training step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+SUPPORTED_STAGES = (1, 2)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How ZeRO shards and communicates.
+
+    Attributes:
+        stage: 1 shards the optimizer state (and the fp32 master weights) across data-parallel
+            ranks; 2 also shards the gradients, which are reduce-scattered bucket by bucket
+            during backward so no rank keeps the full gradient after a step's reduction.
+        reduce_bucket_size: elements per gradient bucket. A bucket's reduce-scatter is launched
+            as soon as every gradient in it is ready, overlapping the rest of backward; larger
+            buckets mean fewer, more efficient collectives but less overlap and more memory. The
+            updated parameters are all-gathered after the step in the same buckets, because each
+            rank owns 1/N of every bucket.
+        reduce_every_micro_step: with gradient accumulation, the default reduces once per
+            optimizer step (no communication on non-boundary micro-steps, at the price of a full
+            local gradient buffer). ``True`` reduce-scatters every micro-step into the rank's
+            shard instead: more communication, but stage 2 then never holds full gradients.
+        allow_unknown_optimizer: ZeRO steps each rank's flat shard independently, which is only
+            correct for optimizers whose update is elementwise (SGD, Adam, AdamW, ...). Known
+            non-elementwise optimizers are always refused; set this to ``True`` to accept an
+            optimizer class we do not know, once you have checked its update is elementwise.
+    """
+
+    stage: int = 2
+    reduce_bucket_size: int = 25_000_000
+    reduce_every_micro_step: bool = False
+    allow_unknown_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        _check_type("stage", self.stage, int)
+        if self.stage not in SUPPORTED_STAGES:
+            raise ValueError(
+                f"ZeroConfig.stage={self.stage!r} is not supported: use 1 (optimizer state sharded) or 2"
+                " (optimizer state and gradients sharded)."
+            )
+        _check_positive("reduce_bucket_size", self.reduce_bucket_size)
+        _check_type("reduce_every_micro_step", self.reduce_every_micro_step, bool)
+        _check_type("allow_unknown_optimizer", self.allow_unknown_optimizer, bool)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ZeroConfig:
+        """Builds a config from plain values, naming any key that is not a field."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"Unknown ZeroConfig field(s) {unknown}; valid fields are {sorted(known)}.")
+        return cls(**values)
+
+
+def _check_type(name: str, value: Any, expected: type) -> None:
+    # bool is an int subclass: a stage of True would otherwise pass as 1.
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise ValueError(f"ZeroConfig.{name}={value!r} must be of type {expected.__name__}.")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    _check_type(name, value, int)
+    if value <= 0:
+        raise ValueError(
+            f"ZeroConfig.{name}={value!r} must be a positive number of elements, e.g. 25_000_000"
+            " (about 100 MB of fp32 gradients per bucket)."
+        )

@@ -1,0 +1,359 @@
+"""``ZeroStrategy``: ZeRO data parallelism as a Lightning strategy.
+
+The strategy is the Lightning edge: it launches ranks (through Lightning's own launchers),
+initializes the process group, and hands each optimizer from ``configure_optimizers`` to a
+:class:`~lightning_zero.zero.ZeroOptimizer`, which does the sharding in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
+from lightning_zero.zero.comm import Collectives, CountingCollectives
+from lightning_zero.zero.optimizer import ZeroOptimizer, no_sync
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO stage 1 or 2 data parallelism.
+
+    Args:
+        stage: shorthand for ``config=ZeroConfig(stage=stage)``; may be given with ``config`` only if
+            both agree.
+        config: every ZeRO setting, validated (see :class:`~lightning_zero.ZeroConfig`).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default the one for the root device.
+        timeout: collective timeout of the process group.
+        start_method: how Lightning starts the ranks: ``"popen"`` re-runs the script per rank (the
+            default, as for ``ddp``), ``"spawn"``/``"fork"`` start them from this process.
+        collectives: a :class:`~lightning_zero.zero.Collectives` to use instead of one built over the
+            world group, e.g. a :class:`~lightning_zero.zero.CountingCollectives` to audit traffic.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int | None = None,
+        config: ZeroConfig | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        collectives: Collectives | CountingCollectives | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.config = _resolve_config(stage, config)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"ZeroStrategy(start_method={start_method!r}) is not one of 'popen', 'spawn', 'fork', 'forkserver'."
+            )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._collectives = collectives
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # The Trainer assigns a generic plugin built from `precision=`; ZeRO needs its own.
+        if precision_plugin is None or isinstance(precision_plugin, ZeroPrecision):
+            self._precision_plugin = precision_plugin
+        elif type(precision_plugin) is Precision:
+            self._precision_plugin = ZeroPrecision("32-true")
+        else:
+            precision = getattr(precision_plugin, "precision", None)
+            raise ValueError(
+                f"ZeroStrategy does not support the precision plugin {type(precision_plugin).__name__}"
+                f" (precision={precision!r}) yet: it trains in fp32 for now. Use Trainer(precision='32-true')."
+            )
+
+    # ------------------------------------------------------------------ processes and devices
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError(
+                "ZeroStrategy has no devices yet: it must be passed to a Trainer (`Trainer(strategy=...)`), which"
+                " sets the accelerator and devices, before it is used."
+            )
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to add a DistributedSampler, as for its own data-parallel strategies."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @property
+    def collectives(self) -> Collectives | CountingCollectives:
+        """The collectives over the data-parallel group, built once the process group exists."""
+        if self._collectives is None:
+            self._collectives = Collectives(group=None)
+        return self._collectives
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if self.world_size > 1:
+            # Every rank must start from rank 0's weights, as with DDP.
+            _sync_module_states(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        assert self.lightning_module is not None
+        _check_params_in_one_optimizer(self.optimizers)
+        self.optimizers = [
+            ZeroOptimizer(optimizer, self.lightning_module, self.collectives, self.config)
+            for optimizer in self.optimizers
+        ]
+
+    @property
+    def zero_optimizers(self) -> list[ZeroOptimizer]:
+        return [opt for opt in self.optimizers if isinstance(opt, ZeroOptimizer)]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ training
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        zero_optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if not isinstance(zero_optimizer, ZeroOptimizer):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_sync() -> Any:
+            # Hooks after the closure (on_before_optimizer_step, clipping) must see reduced gradients.
+            result = closure()
+            zero_optimizer.finish_grad_sync()
+            return result
+
+        return super().optimizer_step(zero_optimizer, closure_then_sync, model, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this on non-boundary accumulation steps: gradients stay local."""
+        if self.config.reduce_every_micro_step:
+            yield
+            return
+        with no_sync(self.zero_optimizers):
+            yield
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl" and self.root_device.type == "cuda":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        torch.distributed.broadcast_object_list(container, src, group=_group.WORLD)
+        return container[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ accounting
+    def model_state_bytes(self) -> ModelStateBytes:
+        """This rank's bytes of parameters, gradients and optimizer state."""
+        assert self.lightning_module is not None
+        return model_state_bytes(self.lightning_module, self.optimizers)
+
+    def all_ranks_model_state_bytes(self) -> list[ModelStateBytes]:
+        """Every rank's :meth:`model_state_bytes`, in rank order (a collective: call it on all ranks)."""
+        mine = self.model_state_bytes()
+        if not _distributed_is_initialized():
+            return [mine]
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine)
+        return gathered
+
+    # ------------------------------------------------------------------ teardown and registry
+    @override
+    def teardown(self) -> None:
+        for optimizer in self.zero_optimizers:
+            optimizer.remove_hooks()
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage in (1, 2):
+            strategy_registry.register(
+                f"zero{stage}",
+                cls,
+                description=f"ZeRO stage {stage} data parallelism (lightning_zero)",
+                config=ZeroConfig(stage=stage),
+            )
+            strategy_registry.register(
+                f"zero{stage}_spawn",
+                cls,
+                description=f"ZeRO stage {stage} data parallelism, ranks started with 'spawn' (lightning_zero)",
+                config=ZeroConfig(stage=stage),
+                start_method="spawn",
+            )
+
+
+def _resolve_config(stage: int | None, config: ZeroConfig | Mapping[str, Any] | None) -> ZeroConfig:
+    if isinstance(config, Mapping):
+        config = ZeroConfig.from_dict(dict(config))
+    if config is not None and not isinstance(config, ZeroConfig):
+        raise ValueError(f"ZeroStrategy(config={config!r}) must be a ZeroConfig or a dict of its fields.")
+    if config is None:
+        return ZeroConfig() if stage is None else ZeroConfig(stage=stage)
+    if stage is not None and stage != config.stage:
+        raise ValueError(
+            f"ZeroStrategy(stage={stage!r}) disagrees with config.stage={config.stage!r}; give the stage once."
+        )
+    return config
+
+
+def _check_params_in_one_optimizer(optimizers: list[Optimizer]) -> None:
+    owner: dict[int, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if owner.setdefault(id(param), index) != index:
+                    raise ValueError(
+                        f"A parameter of shape {tuple(param.shape)} is in optimizer {owner[id(param)]} and in"
+                        f" optimizer {index}. ZeRO shards each parameter under one optimizer; give every"
+                        " optimizer a disjoint set of parameters."
+                    )
+

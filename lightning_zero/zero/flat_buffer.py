@@ -1,0 +1,247 @@
+"""Flat parameter buffers, their buckets, and the shard of each bucket a rank owns.
+
+[Note: sharding layout]
+The parameters of one optimizer param group and one dtype are packed, in reverse registration
+order (roughly the order backward produces their gradients), into buckets of about
+``reduce_bucket_size`` elements. Each bucket is padded to a multiple of the world size N and
+split into N equal chunks: rank r owns chunk r of every bucket. A rank's fp32 master shard is the
+concatenation of its chunks, so it is one contiguous tensor of ~Psi/N elements, and one
+reduce-scatter (gradients) or all-gather (parameters) per bucket moves exactly that bucket's
+data. Index spaces are named by :class:`Range` users: "bucket" offsets are within a bucket's flat
+data, "shard" offsets are within the rank's master shard.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
+
+
+@dataclass(frozen=True)
+class Range:
+    """A half-open interval [start, end) of elements in one index space."""
+
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def slice(self, flat: Tensor) -> Tensor:
+        return flat[self.start : self.end]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives inside its bucket."""
+
+    param: nn.Parameter
+    name: str
+    index: int  # position among all parameters of the owning ZeroOptimizer
+    bucket_range: Range
+
+
+class GradState(enum.Enum):
+    """Lifecycle of a bucket's local gradient between two reductions."""
+
+    CLEAN = "no local gradient since the last reduction or zero_grad"
+    ACCUMULATING = "local gradients present that no reduction has consumed yet"
+    REDUCING = "a reduce-scatter of this bucket is in flight"
+
+
+class Bucket:
+    """A contiguous run of parameters reduced and gathered as one unit.
+
+    ``param_data`` [padded_numel] is a view into the flat parameter buffer; every parameter of the
+    bucket is a view into it. The local gradient ``grad_data`` [padded_numel] exists only while
+    gradients are accumulated: stage 1 keeps it for the whole run, stage 2 frees it once reduced.
+    """
+
+    def __init__(
+        self,
+        param_data: Tensor,
+        slots: list[ParamSlot],
+        shard_range: Range,
+        world_size: int,
+        rank: int,
+        keep_grad_buffer: bool,
+    ) -> None:
+        self.param_data = param_data
+        self.slots = slots
+        self.shard_range = shard_range
+        self.world_size = world_size
+        self.rank = rank
+        self.keep_grad_buffer = keep_grad_buffer
+        self.grad_data: Tensor | None = None
+        self.state = GradState.CLEAN
+        self._ready = 0
+        self._reduce_output: Tensor | None = None
+        self._handle: Handle | None = None
+
+    @property
+    def padded_numel(self) -> int:
+        return self.param_data.numel()
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def owned_chunk(self, flat: Tensor) -> Tensor:
+        """This rank's chunk of a bucket-sized tensor."""
+        return flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+
+    def accumulate(self, slot: ParamSlot, grad: Tensor) -> None:
+        if self.state is GradState.REDUCING:
+            raise RuntimeError(
+                f"Gradient for parameter '{slot.name}' arrived while its bucket was already being reduced:"
+                " it was used again after all the bucket's gradients were ready (e.g. a second backward"
+                " through it without an optimizer step or zero_grad in between). Call backward once per"
+                " micro-step, or set ZeroConfig(reduce_every_micro_step=False) and accumulate under"
+                " `strategy.block_backward_sync()`."
+            )
+        if self.grad_data is None:
+            self.grad_data = torch.zeros_like(self.param_data)
+        slot.bucket_range.slice(self.grad_data).add_(grad.reshape(-1))
+        self.state = GradState.ACCUMULATING
+
+    def mark_ready(self) -> bool:
+        """Counts one more parameter gradient of this backward; True once all have arrived."""
+        self._ready += 1
+        return self._ready == len(self.slots)
+
+    def start_reduce(self, collectives: Collectives | CountingCollectives) -> None:
+        if self.state is not GradState.ACCUMULATING:
+            raise RuntimeError(f"cannot reduce a bucket in state {self.state.name}")
+        assert self.grad_data is not None
+        # Averaging before the sum keeps fp16/bf16 sums in range, as DDP does.
+        self.grad_data.div_(self.world_size)
+        self._reduce_output = torch.empty(self.shard_numel, dtype=self.grad_data.dtype, device=self.grad_data.device)
+        with torch.profiler.record_function("zero::reduce_scatter"):
+            self._handle = collectives.reduce_scatter(self._reduce_output, self.grad_data)
+        self.state = GradState.REDUCING
+        self._ready = 0
+
+    def finish_reduce(self, master_grad: Tensor) -> None:
+        """Waits for the reduce-scatter and adds this rank's chunk into the master gradient shard."""
+        if self.state is not GradState.REDUCING:
+            return
+        assert self._handle is not None and self._reduce_output is not None
+        with torch.profiler.record_function("zero::wait_reduce_scatter"):
+            self._handle.wait()
+        self.shard_range.slice(master_grad).add_(self._reduce_output)
+        self._reduce_output = None
+        self._handle = None
+        self._release_grad()
+
+    def reset(self) -> None:
+        """Drops every local gradient, waiting for any collective still using the buffer."""
+        if self._handle is not None:
+            self._handle.wait()
+        self._handle = None
+        self._reduce_output = None
+        self._ready = 0
+        self._release_grad()
+
+    def _release_grad(self) -> None:
+        if self.keep_grad_buffer and self.grad_data is not None:
+            self.grad_data.zero_()
+        else:
+            self.grad_data = None
+        self.state = GradState.CLEAN
+
+
+class FlatParamBuffer:
+    """The parameters of one param group and one dtype, flattened into buckets.
+
+    Owns the full flat parameter data [sum of padded bucket sizes] (every rank holds all of it at
+    stages 1 and 2), and this rank's fp32 master shard [sum of shard sizes] with its gradient.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[int, str, nn.Parameter]],
+        bucket_size: int,
+        world_size: int,
+        rank: int,
+        keep_grad_buffers: bool,
+        device: torch.device,
+    ) -> None:
+        dtype = named_params[0][2].dtype
+        layout = _plan_buckets(named_params, bucket_size, world_size)
+        total = sum(padded for _, padded in layout)
+        self.dtype = dtype
+        self.data = torch.zeros(total, dtype=dtype, device=device)
+        self.buckets: list[Bucket] = []
+        self.slots: list[ParamSlot] = []
+        bucket_start = 0
+        shard_start = 0
+        for members, padded in layout:
+            param_data = self.data[bucket_start : bucket_start + padded]
+            slots: list[ParamSlot] = []
+            offset = 0
+            for index, name, param in members:
+                slot = ParamSlot(param, name, index, Range(offset, offset + param.numel()))
+                slot.bucket_range.slice(param_data).copy_(param.detach().reshape(-1))
+                slots.append(slot)
+                offset += param.numel()
+            shard_range = Range(shard_start, shard_start + padded // world_size)
+            self.buckets.append(Bucket(param_data, slots, shard_range, world_size, rank, keep_grad_buffers))
+            self.slots.extend(slots)
+            bucket_start += padded
+            shard_start += shard_range.size
+        # Parameters become views into the flat buffer only after every value was copied, so that
+        # no copy reads a parameter that an earlier rebinding already moved.
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.param.data = slot.bucket_range.slice(bucket.param_data).view_as(slot.param)
+        self.master = torch.empty(shard_start, dtype=torch.float32, device=device)
+        self.master_grad = torch.zeros_like(self.master)
+        self.refresh_master()
+
+    @property
+    def numel(self) -> int:
+        return sum(slot.bucket_range.size for slot in self.slots)
+
+    def refresh_master(self) -> None:
+        """Copies this rank's chunk of the (possibly updated) parameters into the fp32 master shard."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.shard_range.slice(self.master).copy_(bucket.owned_chunk(bucket.param_data))
+
+    def start_all_gather(self, collectives: Collectives | CountingCollectives) -> list[Handle]:
+        """Publishes the updated master shard: every bucket's chunks are gathered to every rank."""
+        handles = []
+        with torch.no_grad(), torch.profiler.record_function("zero::all_gather"):
+            for bucket in self.buckets:
+                # A separate input tensor: gloo does not promise in-place gathers.
+                chunk = bucket.shard_range.slice(self.master).to(self.dtype, copy=True)
+                handles.append(collectives.all_gather(bucket.param_data, chunk))
+        return handles
+
+
+def _plan_buckets(
+    named_params: list[tuple[int, str, nn.Parameter]], bucket_size: int, world_size: int
+) -> list[tuple[list[tuple[int, str, nn.Parameter]], int]]:
+    """Groups parameters (reverse order) into buckets of >= bucket_size elements, padded to N."""
+    layout: list[tuple[list[tuple[int, str, nn.Parameter]], int]] = []
+    members: list[tuple[int, str, nn.Parameter]] = []
+    numel = 0
+    for entry in reversed(named_params):
+        members.append(entry)
+        numel += entry[2].numel()
+        if numel >= bucket_size:
+            layout.append((members, _round_up(numel, world_size)))
+            members, numel = [], 0
+    if members:
+        layout.append((members, _round_up(numel, world_size)))
+    return layout
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

@@ -1,0 +1,319 @@
+"""ZeRO stages 1 and 2: a torch optimizer stepped over each rank's fp32 master shard.
+
+[Note: the user's optimizer is re-pointed, not replaced]
+:class:`ZeroOptimizer` takes the optimizer the user built and changes each param group's
+``params`` to this rank's fp32 master shards. The user's object keeps its class, its
+hyperparameters and its identity, so LR schedulers already attached to it keep working, and the
+update is whatever that class computes, applied to 1/N of the elements. That is only exact for
+optimizers whose update is elementwise, which :func:`check_shardable` enforces.
+
+[Note: gradient flow]
+A post-accumulate-grad hook on every parameter adds the new gradient into its bucket's local
+buffer and frees ``param.grad``. When gradients are synchronized (not inside
+``no_sync()``), a bucket whose parameters have all reported starts its reduce-scatter at once,
+overlapping the rest of backward. ``finish_grad_sync`` launches whatever backward left, waits for
+all of them and leaves the averaged gradient in each rank's fp32 master-gradient shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.zero.comm import Collectives, CountingCollectives
+from lightning_zero.zero.flat_buffer import Bucket, FlatParamBuffer, GradState, ParamSlot
+
+# Optimizers whose update of one element depends only on that element's gradient and state.
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
+    cls
+    for cls in (
+        getattr(torch.optim, name, None)
+        for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "ASGD", "Rprop")
+    )
+    if cls is not None
+)
+# Optimizers known to need the whole tensor (or a closure over the whole model).
+_NON_ELEMENTWISE = {
+    "LBFGS": "it needs the whole model's parameters and a closure for its line search",
+    "SparseAdam": "it only works with sparse gradients, which flat buffers cannot hold",
+    "Adafactor": "it factors the second moment over each matrix's rows and columns",
+    "Muon": "it orthogonalises each matrix's update",
+    "Shampoo": "it preconditions each matrix with its row and column statistics",
+}
+
+
+class SyncState(enum.Enum):
+    """Whether the master-gradient shards hold every gradient produced so far."""
+
+    PENDING = "gradients were produced (or reductions are in flight) since the last finish_grad_sync"
+    SYNCED = "every gradient produced so far is reduced into the master-gradient shards"
+
+
+def check_shardable(optimizer: Optimizer, config: ZeroConfig) -> None:
+    """Raises ``ValueError`` if ZeRO cannot shard ``optimizer`` correctly."""
+    name = type(optimizer).__name__
+    for reason_name, reason in _NON_ELEMENTWISE.items():
+        if name == reason_name:
+            raise ValueError(
+                f"ZeRO cannot shard the optimizer {name}: {reason}, but each rank only holds 1/N of every"
+                " parameter's elements. Use an elementwise optimizer such as torch.optim.AdamW, or train"
+                " this model with DDP."
+            )
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or config.allow_unknown_optimizer:
+        return
+    raise ValueError(
+        f"ZeRO does not know whether the optimizer {type(optimizer).__module__}.{name} can be sharded: each"
+        " rank steps only its 1/N slice of every parameter, which is exact only when the update is elementwise."
+        f" Known elementwise optimizers: {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}. If {name}'s"
+        " update is elementwise, set ZeroConfig(allow_unknown_optimizer=True)."
+    )
+
+
+class ZeroOptimizer(Optimizer):
+    """Shards a torch optimizer's state and (stage 2) the gradients over a data-parallel group.
+
+    ``param_groups`` and ``state`` are the wrapped optimizer's own objects, so LR schedulers and
+    monitors that read or write either see the same values.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        module: nn.Module,
+        collectives: Collectives | CountingCollectives,
+        config: ZeroConfig,
+    ) -> None:
+        check_shardable(optimizer, config)
+        if any(optimizer.state.values()):
+            raise ValueError(
+                f"The {type(optimizer).__name__} handed to ZeRO already has optimizer state; ZeRO must shard it"
+                " before the first step. Build the optimizer in configure_optimizers and let the strategy set it up;"
+                " to resume, load the state through the checkpoint instead."
+            )
+        self.optimizer = optimizer
+        self.collectives = collectives
+        self.config = config
+        self.buffers: list[list[FlatParamBuffer]] = []  # [param group][dtype]
+        self._sync_enabled = True
+        self._sync_state = SyncState.SYNCED
+        self._slot_of: dict[nn.Parameter, tuple[FlatParamBuffer, Bucket, ParamSlot]] = {}
+        self._hook_handles: list[Any] = []
+        self._init_buffers(module)
+        self._init_hooks()
+        self._had_grad = torch.zeros(len(self._slot_of), dtype=torch.int32)
+        # Optimizer.__init__ sets up the hook registries torch expects on every optimizer; the
+        # groups and state it builds are then replaced by the wrapped optimizer's own.
+        super().__init__([master for group in self.buffers for master in (b.master for b in group)] or
+                         [torch.zeros(0)], dict(optimizer.defaults))
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+
+    # ------------------------------------------------------------------ setup
+    def _init_buffers(self, module: nn.Module) -> None:
+        names = {param: name for name, param in module.named_parameters(remove_duplicate=True)}
+        device = next(iter(names), torch.zeros(0)).device
+        index = 0
+        seen: set[int] = set()
+        for group_idx, group in enumerate(self.optimizer.param_groups):
+            by_dtype: dict[torch.dtype, list[tuple[int, str, nn.Parameter]]] = {}
+            for param in group["params"]:
+                if id(param) in seen:
+                    raise ValueError(
+                        f"A parameter of shape {tuple(param.shape)} appears twice in the param groups of"
+                        f" {type(self.optimizer).__name__}; list each parameter once."
+                    )
+                seen.add(id(param))
+                if param not in names:
+                    raise ValueError(
+                        f"Param group {group_idx} of {type(self.optimizer).__name__} holds a parameter of shape"
+                        f" {tuple(param.shape)} that is not a parameter of the LightningModule; ZeRO can only shard"
+                        " the module's own parameters. Build the optimizer from self.parameters()."
+                    )
+                if not param.requires_grad:
+                    continue  # torch.optim skips parameters without gradients; so does ZeRO.
+                by_dtype.setdefault(param.dtype, []).append((index, names[param], param))
+                index += 1
+            group_buffers = [
+                FlatParamBuffer(
+                    entries,
+                    bucket_size=self.config.reduce_bucket_size,
+                    world_size=self.collectives.world_size,
+                    rank=self.collectives.rank,
+                    keep_grad_buffers=self.config.stage == 1,
+                    device=device,
+                )
+                for entries in by_dtype.values()
+            ]
+            for buffer in group_buffers:
+                buffer.master.grad = buffer.master_grad
+                for bucket in buffer.buckets:
+                    for slot in bucket.slots:
+                        self._slot_of[slot.param] = (buffer, bucket, slot)
+            self.buffers.append(group_buffers)
+        for group, group_buffers in zip(self.optimizer.param_groups, self.buffers):
+            group["params"] = [buffer.master for buffer in group_buffers]
+
+    def _init_hooks(self) -> None:
+        for param in self._slot_of:
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # ------------------------------------------------------------------ gradient flow
+    @property
+    def flat_buffers(self) -> Iterator[FlatParamBuffer]:
+        for group_buffers in self.buffers:
+            yield from group_buffers
+
+    @property
+    def sync_state(self) -> SyncState:
+        return self._sync_state
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within it, backward accumulates gradients locally and communicates nothing."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: Tensor) -> None:
+        if param.grad is None:
+            return
+        buffer, bucket, slot = self._slot_of[param]  # type: ignore[index]
+        bucket.accumulate(slot, param.grad)
+        param.grad = None
+        self._had_grad[slot.index] = 1
+        self._sync_state = SyncState.PENDING
+        if self._sync_enabled and bucket.mark_ready():
+            bucket.start_reduce(self.collectives)
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Makes the master-gradient shards hold every gradient so far, averaged over ranks.
+
+        Idempotent: a second call before the next backward does nothing. Every rank must call it.
+        """
+        if self._sync_state is SyncState.SYNCED:
+            return
+        with torch.profiler.record_function("zero::finish_grad_sync"):
+            # Buckets that backward did not complete (accumulation under no_sync, or a parameter
+            # without a gradient) are launched in bucket order, the same order on every rank.
+            for buffer in self.flat_buffers:
+                for bucket in buffer.buckets:
+                    if bucket.state is GradState.ACCUMULATING:
+                        bucket.start_reduce(self.collectives)
+            for buffer in self.flat_buffers:
+                for bucket in buffer.buckets:
+                    bucket.finish_reduce(buffer.master_grad)
+            self._check_every_param_had_grad()
+        self._sync_state = SyncState.SYNCED
+
+    def _check_every_param_had_grad(self) -> None:
+        had_grad = self._had_grad.to(self._device)
+        self.collectives.all_reduce(had_grad, dist.ReduceOp.MAX)
+        missing = [slot.name for _, _, slot in self._slot_of.values() if not had_grad[slot.index]]
+        if missing:
+            raise RuntimeError(
+                f"These parameters received no gradient on any rank since the last zero_grad: {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}. torch.optim would skip them, but ZeRO steps flat shards"
+                " and would apply momentum and weight decay to them anyway. Set requires_grad=False on parameters"
+                " that are not trained, or leave them out of the optimizer's param groups."
+            )
+
+    # ------------------------------------------------------------------ step
+    @property
+    def _device(self) -> torch.device:
+        return next(self.flat_buffers).master.device if self._slot_of else torch.device("cpu")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.finish_grad_sync()
+        with torch.profiler.record_function("zero::optimizer_step"):
+            self.optimizer.step()
+        self._publish_params()
+        return loss
+
+    def _publish_params(self) -> None:
+        handles = [handle for buffer in self.flat_buffers for handle in buffer.start_all_gather(self.collectives)]
+        with torch.profiler.record_function("zero::wait_all_gather"):
+            for handle in handles:
+                handle.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops every gradient: local buckets, reductions in flight and the master-gradient shards."""
+        with torch.no_grad():
+            for buffer in self.flat_buffers:
+                for bucket in buffer.buckets:
+                    bucket.reset()
+                buffer.master_grad.zero_()
+            for param in self._slot_of:
+                param.grad = None
+        self._had_grad.zero_()
+        self._sync_state = SyncState.SYNCED
+
+    # ------------------------------------------------------------------ clipping
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Scales the gradients so their global norm over all ranks is at most ``max_norm``.
+
+        Returns the norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does.
+        """
+        total = self.global_grad_norm(norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for buffer in self.flat_buffers:
+            buffer.master_grad.mul_(coefficient.to(buffer.master_grad.device))
+        return total
+
+    @torch.no_grad()
+    def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The norm of the full averaged gradient, computed from every rank's shard (collective)."""
+        self.finish_grad_sync()
+        norm_type = float(norm_type)
+        grads = [buffer.master_grad for buffer in self.flat_buffers]
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros(())]).max()
+            local = local.to(self._device, torch.float32)
+            self.collectives.all_reduce(local, dist.ReduceOp.MAX)
+            return local
+        local = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=self._device))
+        self.collectives.all_reduce(local, dist.ReduceOp.SUM)
+        return local.pow(1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        self.finish_grad_sync()
+        for buffer in self.flat_buffers:
+            buffer.master_grad.clamp_(-clip_value, clip_value)
+
+    # ------------------------------------------------------------------ teardown
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.config.stage}, optimizer={self.optimizer!r})"
+
+
+@contextlib.contextmanager
+def no_sync(optimizers: Sequence[ZeroOptimizer]) -> Iterator[None]:
+    """``ZeroOptimizer.no_sync`` for several optimizers at once."""
+    with contextlib.ExitStack() as stack:
+        for optimizer in optimizers:
+            stack.enter_context(optimizer.no_sync())
+        yield

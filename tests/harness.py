@@ -1,0 +1,112 @@
+"""Runs a function on N gloo ranks on the CPU, the way torchrun would start them.
+
+Starting ranks costs seconds, so a test module spawns one group and runs many sub-cases inside
+it. Each rank sees the environment torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*),
+so a Lightning ``Trainer`` inside the worker treats the processes as launched externally and
+does not relaunch the script.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RANK_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "NODE_RANK": "0",
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+
+
+@contextmanager
+def launched_environment() -> Iterator[None]:
+    """Restores torchrun's variables around a Trainer: Lightning's teardown deletes WORLD_SIZE."""
+    saved = {key: os.environ[key] for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK") if key in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    os.environ.update(rank_environment(rank, world_size, port))
+    torch.set_num_threads(1)  # N ranks share 2 cores
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(*args)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank's traceback
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Runs ``fn(*args)`` on ``world_size`` spawned gloo ranks; returns each rank's result in rank order."""
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = _get(queue, processes)
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                break  # the other ranks may now wait forever on a collective
+    finally:
+        for process in processes:
+            process.join(timeout=5 if failures else 60)
+            if process.is_alive():
+                process.kill()
+    if failures:
+        raise RuntimeError("a rank failed:\n" + "\n".join(failures))
+    return [results[rank] for rank in range(world_size)]
+
+
+def _get(queue: Any, processes: list[Any]) -> tuple[int, bool, Any]:
+    import time
+
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not queue.empty():
+            return queue.get()
+        dead = [p for p in processes if p.exitcode not in (None, 0)]
+        if dead:
+            return (processes.index(dead[0]), False, f"process exited with code {dead[0].exitcode}")
+        time.sleep(0.05)
+    return (-1, False, f"no result within {RANK_TIMEOUT_S} s (a hang in a collective?)")
