@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import make_corpus
 import torch
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-
-import make_corpus
 
 
 class CharWindows(Dataset[tuple[Tensor, Tensor]]):
@@ -63,6 +62,9 @@ class CharDataModule(LightningDataModule):
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"CharDataModule.val_fraction={val_fraction!r}: must be in (0, 1)")
         self.save_hyperparameters()
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.num_workers = num_workers
         text = self._read_text(path)
         self.chars: list[str] = sorted(set(text))
         self.stoi: dict[str, int] = {ch: i for i, ch in enumerate(self.chars)}
@@ -96,27 +98,27 @@ class CharDataModule(LightningDataModule):
         return "".join(self.chars[i] for i in ids.tolist())
 
     def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        block = self.hparams.block_size
+        block = self.block_size
         # Every start position is a sample; shuffle=True makes the windows random, and under
         # a multi-rank strategy Lightning swaps in a DistributedSampler (seeded, shuffling) so
         # each rank draws different windows.
         starts = torch.arange(len(self.train_tokens) - block - 1)
         return DataLoader(
             CharWindows(self.train_tokens, block, starts),
-            batch_size=self.hparams.batch_size,
+            batch_size=self.batch_size,
             shuffle=True,
             drop_last=True,
-            num_workers=self.hparams.num_workers,
+            num_workers=self.num_workers,
         )
 
     def val_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        block = self.hparams.block_size
+        block = self.block_size
         # Non-overlapping windows in a fixed order: the same val_loss for the same weights, so
         # numbers from two runs (or two strategies) compare.
         starts = torch.arange(0, len(self.val_tokens) - block - 1, block)
         return DataLoader(
             CharWindows(self.val_tokens, block, starts),
-            batch_size=self.hparams.batch_size,
+            batch_size=self.batch_size,
             shuffle=False,
-            num_workers=self.hparams.num_workers,
+            num_workers=self.num_workers,
         )

@@ -46,8 +46,19 @@ VERBS: tuple[tuple[str, str], ...] = (
 ADJECTIVES: tuple[str, ...] = ("old", "small", "happy", "quiet", "brown", "clever", "tired", "young")
 PLACES: tuple[str, ...] = ("garden", "kitchen", "forest", "barn", "river", "market", "school", "field")
 NUMBER_WORDS: tuple[str, ...] = (
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-    "eleven", "twelve",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
 )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 
 
@@ -61,9 +62,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(channels, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): SDPA attends over the last two dims per head.
         q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, time, channels)
         return self.resid_dropout(self.proj(y))
 
@@ -124,7 +123,13 @@ class GPT(LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters()  # for the logger and checkpoints; code reads the typed fields
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = (float(betas[0]), float(betas[1]))  # YAML gives a list
+        self.warmup_steps = warmup_steps
+        self.max_steps = max_steps
+        self.min_lr_ratio = min_lr_ratio
         self.config = GPTConfig(
             vocab_size=vocab_size,
             block_size=block_size,
@@ -159,7 +164,9 @@ class GPT(LightningModule):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
         # Residual projections scaled by 1/sqrt(2 * n_layer): each block adds two of them to the
         # residual stream, so its variance stays put as depth grows.
-        for block in self.blocks:
+        for block in self.modules():
+            if not isinstance(block, Block):
+                continue
             for proj in (block.attn.proj, block.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
@@ -217,21 +224,21 @@ class GPT(LightningModule):
             seen.add(id(param))
             (decay if param.dim() >= 2 else no_decay).append(param)
         return [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": decay, "weight_decay": self.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
 
     def _schedule_steps(self) -> int:
-        if self.hparams.max_steps is not None:
-            return self.hparams.max_steps
+        if self.max_steps is not None:
+            return self.max_steps
         # The trainer knows the budget (max_steps, or epochs x batches) once fit has started.
         return int(self.trainer.estimated_stepping_batches)
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = torch.optim.AdamW(self.param_groups(), lr=self.hparams.lr, betas=tuple(self.hparams.betas))
-        warmup = self.hparams.warmup_steps
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        optimizer = torch.optim.AdamW(self.param_groups(), lr=self.lr, betas=self.betas)
+        warmup = self.warmup_steps
         total = max(self._schedule_steps(), warmup + 1)
-        min_ratio = self.hparams.min_lr_ratio
+        min_ratio = self.min_lr_ratio
 
         def lr_factor(step: int) -> float:
             if step < warmup:

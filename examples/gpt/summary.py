@@ -8,8 +8,9 @@ makes the saving visible: under DDP every rank holds all three in full.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -25,9 +26,14 @@ _MIB = float(1 << 20)
 class ModelStateLike(Protocol):
     """What the table reads: ``lightning_zero.ModelStateBytes`` and ``LocalModelStateBytes`` both fit."""
 
-    params: int
-    grads: int
-    optimizer_states: int
+    @property
+    def params(self) -> int: ...
+
+    @property
+    def grads(self) -> int: ...
+
+    @property
+    def optimizer_states(self) -> int: ...
 
     @property
     def total(self) -> int: ...
@@ -72,11 +78,13 @@ def measure_model_state(module: torch.nn.Module, optimizers: Sequence[Optimizer]
     return LocalModelStateBytes(params=param_bytes, grads=grad_bytes, optimizer_states=optimizer_bytes)
 
 
-def _gather_local(trainer: Trainer, local: LocalModelStateBytes) -> list[LocalModelStateBytes]:
-    """Collective: every rank must call it. Goes through the strategy so any strategy works."""
-    mine = torch.tensor([local.params, local.grads, local.optimizer_states], dtype=torch.int64)
-    gathered = trainer.strategy.all_gather(mine).reshape(-1, 3)  # (world_size, 3)
-    return [LocalModelStateBytes(*(int(v) for v in row.tolist())) for row in gathered]
+def _gather_local(local: LocalModelStateBytes) -> list[LocalModelStateBytes]:
+    """Collective: every rank must call it. One entry per rank, in rank order."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [local]  # single process: nothing to gather
+    gathered: list[LocalModelStateBytes | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local)
+    return [state for state in gathered if state is not None]
 
 
 class TrainingSummary(Callback):
@@ -91,7 +99,7 @@ class TrainingSummary(Callback):
         super().__init__()
         self._start: float | None = None
         self._first_train_loss: float | None = None
-        self._per_rank: list[ModelStateLike] = []
+        self._per_rank: Sequence[ModelStateLike] = ()
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start = time.perf_counter()
@@ -106,9 +114,9 @@ class TrainingSummary(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, ZeroStrategy):
             # The strategy owns the shards and knows what each rank holds.
-            self._per_rank = list(strategy.all_ranks_model_state_bytes())
+            self._per_rank = strategy.all_ranks_model_state_bytes()
         else:
-            self._per_rank = list(_gather_local(trainer, measure_model_state(pl_module, trainer.optimizers)))
+            self._per_rank = _gather_local(measure_model_state(pl_module, trainer.optimizers))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:

@@ -23,15 +23,15 @@ if str(_REPO_ROOT) not in sys.path:
     sys.path.append(str(_REPO_ROOT))
 
 import torch  # noqa: E402
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from data import CharDataModule  # noqa: E402
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
+from model import GPT  # noqa: E402
 
 import lightning_zero  # noqa: E402,F401  (registers the strategy names zero1, zero2, ...)
-from data import CharDataModule  # noqa: E402
-from model import GPT  # noqa: E402
 
 
 class GPTCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The vocabulary is known only once the corpus is read; the model must not guess it.
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         # One context length for both; a mismatch would crash in forward.
@@ -46,6 +46,8 @@ def main() -> None:
     # With num_workers=0 Lightning warns that loading may bottleneck; here a batch is a tensor
     # slice, and workers would compete for the same two cores.
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    # Lightning 2.6 calls a torch pytree API that newer torch deprecates; nothing to act on here.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
     GPTCLI(GPT, CharDataModule, save_config_kwargs={"overwrite": True})
 
 

@@ -79,6 +79,7 @@ class Bucket:
         self.rank = rank
         self.keep_grad_buffer = keep_grad_buffer
         self.grad_data: Tensor | None = None
+        self.master_grad: Tensor | None = None  # [shard_numel] view into the owner's master-gradient shard
         self.state = GradState.CLEAN
         self._ready = 0
         self._reduce_output: Tensor | None = None
@@ -98,13 +99,9 @@ class Bucket:
 
     def accumulate(self, slot: ParamSlot, grad: Tensor) -> None:
         if self.state is GradState.REDUCING:
-            raise RuntimeError(
-                f"Gradient for parameter '{slot.name}' arrived while its bucket was already being reduced:"
-                " it was used again after all the bucket's gradients were ready (e.g. a second backward"
-                " through it without an optimizer step or zero_grad in between). Call backward once per"
-                " micro-step, or set ZeroConfig(reduce_every_micro_step=False) and accumulate under"
-                " `strategy.block_backward_sync()`."
-            )
+            # The previous micro-step's reduction (reduce_every_micro_step) must land in the master
+            # gradient before this buffer takes new gradients.
+            self.finish_reduce()
         if self.grad_data is None:
             self.grad_data = torch.zeros_like(self.param_data)
         slot.bucket_range.slice(self.grad_data).add_(grad.reshape(-1))
@@ -127,14 +124,15 @@ class Bucket:
         self.state = GradState.REDUCING
         self._ready = 0
 
-    def finish_reduce(self, master_grad: Tensor) -> None:
+    def finish_reduce(self) -> None:
         """Waits for the reduce-scatter and adds this rank's chunk into the master gradient shard."""
         if self.state is not GradState.REDUCING:
             return
         assert self._handle is not None and self._reduce_output is not None
         with torch.profiler.record_function("zero::wait_reduce_scatter"):
             self._handle.wait()
-        self.shard_range.slice(master_grad).add_(self._reduce_output)
+        assert self.master_grad is not None
+        self.master_grad.add_(self._reduce_output)
         self._reduce_output = None
         self._handle = None
         self._release_grad()
@@ -202,6 +200,8 @@ class FlatParamBuffer:
                 slot.param.data = slot.bucket_range.slice(bucket.param_data).view_as(slot.param)
         self.master = torch.empty(shard_start, dtype=torch.float32, device=device)
         self.master_grad = torch.zeros_like(self.master)
+        for bucket in self.buckets:
+            bucket.master_grad = bucket.shard_range.slice(self.master_grad)
         self.refresh_master()
 
     @property

@@ -215,7 +215,7 @@ class ZeroOptimizer(Optimizer):
                         bucket.start_reduce(self.collectives)
             for buffer in self.flat_buffers:
                 for bucket in buffer.buckets:
-                    bucket.finish_reduce(buffer.master_grad)
+                    bucket.finish_reduce()
             self._check_every_param_had_grad()
         self._sync_state = SyncState.SYNCED
 
