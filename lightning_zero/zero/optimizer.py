@@ -1,8 +1,9 @@
 """ZeRO stages 1 and 2: a torch optimizer stepped over each rank's fp32 master shard.
 
 [Note: the user's optimizer is re-pointed, not replaced]
-:class:`ZeroOptimizer` takes the optimizer the user built and changes each param group's
-``params`` to this rank's fp32 master shards. The user's object keeps its class, its
+:class:`ZeroOptimizer` takes the optimizer the user built and, for the duration of each step,
+points each param group's ``params`` at this rank's fp32 master shards (its state is keyed by
+them). The user's object keeps its class, its
 hyperparameters and its identity, so LR schedulers already attached to it keep working, and the
 update is whatever that class computes, applied to 1/N of the elements. That is only exact for
 optimizers whose update is elementwise, which :func:`check_shardable` enforces.
@@ -107,6 +108,10 @@ class ZeroOptimizer(Optimizer):
         self._sync_state = SyncState.SYNCED
         self._slot_of: dict[nn.Parameter, tuple[FlatParamBuffer, Bucket, ParamSlot]] = {}
         self._hook_handles: list[Any] = []
+        self._consolidated: dict[str, Any] | None = None
+        # Every parameter of every group as the user listed it, frozen ones included: the index
+        # space of torch's optimizer state_dict format.
+        self._group_params: list[list[nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
         self._init_buffers(module)
         self._init_hooks()
         self._had_grad = torch.zeros(len(self._slot_of), dtype=torch.int32)
@@ -159,8 +164,6 @@ class ZeroOptimizer(Optimizer):
                     for slot in bucket.slots:
                         self._slot_of[slot.param] = (buffer, bucket, slot)
             self.buffers.append(group_buffers)
-        for group, group_buffers in zip(self.optimizer.param_groups, self.buffers):
-            group["params"] = [buffer.master for buffer in group_buffers]
 
     def _init_hooks(self) -> None:
         for param in self._slot_of:
@@ -243,10 +246,25 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_grad_sync()
-        with torch.profiler.record_function("zero::optimizer_step"):
+        with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups():
             self.optimizer.step()
         self._publish_params()
         return loss
+
+    @contextlib.contextmanager
+    def _masters_in_param_groups(self) -> Iterator[None]:
+        """Points each param group at this rank's master shards for the duration of the step.
+
+        Outside the step the groups list the model's own parameters, so Lightning's
+        toggle_optimizer and anything else reading ``param_groups`` sees the model.
+        """
+        for group, group_buffers in zip(self.param_groups, self.buffers):
+            group["params"] = [buffer.master for buffer in group_buffers]
+        try:
+            yield
+        finally:
+            for group, params in zip(self.param_groups, self._group_params):
+                group["params"] = params
 
     def _publish_params(self) -> None:
         handles = [handle for buffer in self.flat_buffers for handle in buffer.start_all_gather(self.collectives)]
@@ -299,6 +317,138 @@ class ZeroOptimizer(Optimizer):
         self.finish_grad_sync()
         for buffer in self.flat_buffers:
             buffer.master_grad.clamp_(-clip_value, clip_value)
+
+    # ------------------------------------------------------------------ state dict
+    # [Note: full-format optimizer state]
+    # state_dict() is torch's own format, indexed by the user's parameters and shaped like them, so
+    # a checkpoint loads at any world size and into plain torch.optim. Building it is a collective
+    # (consolidate_state_dict, the protocol of torch's ZeroRedundancyOptimizer that Lightning
+    # calls); only the destination rank keeps the full tensors, one bucket at a time.
+
+    @torch.no_grad()
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the full optimizer state onto rank ``to`` (collective: every rank must call it)."""
+        keep = self.collectives.rank == to
+        state: dict[int, dict[str, Any]] = {}
+        index_of = self._param_indices()
+        for buffer in self.flat_buffers:
+            shard_state = self.optimizer.state.get(buffer.master, {})
+            for key in sorted(shard_state):
+                value = shard_state[key]
+                is_shard = isinstance(value, Tensor) and value.dim() == 1 and value.numel() == buffer.master.numel()
+                for bucket in buffer.buckets:
+                    full = None
+                    if is_shard:
+                        full = torch.empty(bucket.padded_numel, dtype=value.dtype, device=value.device)
+                        self.collectives.all_gather(full, bucket.shard_range.slice(value).contiguous()).wait()
+                    if not keep:
+                        continue
+                    for slot in bucket.slots:
+                        entry = state.setdefault(index_of[slot.param], {})
+                        if full is not None:
+                            entry[key] = slot.bucket_range.slice(full).view_as(slot.param).cpu().clone()
+                        else:
+                            entry[key] = value.clone() if isinstance(value, Tensor) else value
+        groups = []
+        for group, params in zip(self.param_groups, self._group_params):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": [index_of[p] for p in params]})
+        self._consolidated = {"state": state, "param_groups": groups} if keep else None
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The consolidated full state, on the rank that consolidate_state_dict() gathered it to."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                "ZeroOptimizer.state_dict() needs consolidate_state_dict() first, on every rank; the full state"
+                " is then available on the destination rank (0 by default)."
+            )
+        consolidated, self._consolidated = self._consolidated, None
+        return consolidated
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Loads a full-format state (from any world size, or from plain torch.optim) into this rank's shards."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or "state" not in state_dict:
+            raise ValueError(
+                "Not an optimizer state_dict: expected the keys 'state' and 'param_groups' of torch's format,"
+                f" got {sorted(state_dict)}."
+            )
+        if len(groups) != len(self._group_params):
+            raise ValueError(
+                f"The optimizer state has {len(groups)} param groups but {type(self.optimizer).__name__} has"
+                f" {len(self._group_params)}: it comes from a different configure_optimizers()."
+            )
+        saved_index: dict[nn.Parameter, Any] = {}
+        for number, (saved, params) in enumerate(zip(groups, self._group_params)):
+            if len(saved["params"]) != len(params):
+                raise ValueError(
+                    f"Param group {number} has {len(saved['params'])} parameters in the optimizer state but"
+                    f" {len(params)} in this model: the state comes from a different model or optimizer setup."
+                )
+            saved_index.update(zip(params, saved["params"]))
+        saved_state: dict[Any, dict[str, Any]] = state_dict["state"]
+        for group, saved in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.optimizer.state.clear()
+        for buffer in self.flat_buffers:
+            self._load_buffer_state(buffer, saved_state, saved_index)
+
+    def _load_buffer_state(
+        self, buffer: FlatParamBuffer, saved_state: dict[Any, dict[str, Any]], saved_index: dict[nn.Parameter, Any]
+    ) -> None:
+        entries = {slot.param: saved_state.get(saved_index[slot.param]) for slot in buffer.slots}
+        present = [entry for entry in entries.values() if entry]
+        if not present:
+            return  # nothing was saved for these parameters: a fresh optimizer state
+        shard_state: dict[str, Any] = {}
+        for key, value in present[0].items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                shard_state[key] = torch.zeros_like(buffer.master)
+            elif isinstance(value, Tensor):
+                # Per-parameter scalars such as Adam's step count are one value for the whole shard;
+                # fused/capturable optimizers keep them on the parameters' device.
+                on_device = self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable")
+                shard_state[key] = value.clone().to(buffer.master.device) if on_device else value.clone()
+            else:
+                shard_state[key] = value
+        for bucket in buffer.buckets:
+            for slot in bucket.slots:
+                entry = entries[slot.param]
+                if not entry:
+                    continue
+                for key, target in shard_state.items():
+                    if not isinstance(target, Tensor) or target.shape != buffer.master.shape:
+                        continue
+                    value = entry.get(key)
+                    if not isinstance(value, Tensor) or value.shape != slot.param.shape:
+                        raise ValueError(
+                            f"Optimizer state '{key}' of parameter '{slot.name}' has shape"
+                            f" {tuple(value.shape) if isinstance(value, Tensor) else value!r}, but the parameter has"
+                            f" shape {tuple(slot.param.shape)}: the state comes from a different model."
+                        )
+                    self._scatter_into_shard(bucket, slot, value, bucket.shard_range.slice(target))
+        self.optimizer.state[buffer.master] = shard_state
+
+    @staticmethod
+    def _scatter_into_shard(bucket: Bucket, slot: ParamSlot, value: Tensor, shard: Tensor) -> None:
+        """Copies the part of a full per-parameter tensor that falls in this rank's chunk of the bucket."""
+        chunk_start = bucket.rank * bucket.shard_numel
+        start = max(slot.bucket_range.start, chunk_start)
+        end = min(slot.bucket_range.end, chunk_start + bucket.shard_numel)
+        if start >= end:
+            return
+        flat = value.reshape(-1)
+        shard[start - chunk_start : end - chunk_start].copy_(
+            flat[start - slot.bucket_range.start : end - slot.bucket_range.start]
+        )
+
+    def _param_indices(self) -> dict[nn.Parameter, int]:
+        index_of: dict[nn.Parameter, int] = {}
+        for params in self._group_params:
+            for param in params:
+                index_of[param] = len(index_of)
+        return index_of
 
     # ------------------------------------------------------------------ teardown
     def remove_hooks(self) -> None:
