@@ -103,6 +103,8 @@ class RankResult:
     num_params: int = 0
     model_source: str = ""
     error: str | None = None
+    wrote_result: bool = True
+    """False when the rank died (or was killed) before writing anything: its error is secondhand."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,9 @@ def _build_model(spec: RunSpec) -> tuple[Any, str]:
         "n_embd": knobs.n_embd,
     }
     try:
+        if not (GPT_EXAMPLE_DIR / "model.py").is_file():
+            # Checked first: with the file absent, `import model` could find some other module.
+            raise FileNotFoundError(f"{GPT_EXAMPLE_DIR / 'model.py'} does not exist")
         if str(GPT_EXAMPLE_DIR) not in sys.path:
             sys.path.insert(0, str(GPT_EXAMPLE_DIR))
         from model import GPT  # examples/gpt/model.py
@@ -381,28 +386,39 @@ def run_strategy(spec: RunSpec, log_dir: Path, timeout_s: float) -> StrategyResu
         env = {**os.environ, **_rank_environment(rank, spec.world_size, port)}
         with log_paths[rank].open("wb") as log:
             processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT))
-    timed_out = _wait_for_ranks(processes, timeout_s)
+    try:
+        timed_out = _wait_for_ranks(processes, timeout_s)
+    finally:
+        # Also on Ctrl-C: ranks left behind would hold the port and two cores.
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     results = [_read_rank_result(rank, path, log_paths[rank], processes[rank]) for rank, path in enumerate(result_paths)]
     if timed_out:
-        results = [r if r.error else RankResult(rank=r.rank, error=f"no result within {timeout_s:.0f} s") for r in results]
+        results = [
+            r if r.wrote_result else RankResult(rank=r.rank, error=f"no result within {timeout_s:.0f} s")
+            for r in results
+        ]
     return _reduce(spec.strategy, results)
 
 
 def _wait_for_ranks(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> bool:
-    """Waits for every rank; once one fails, gives the rest a short grace and then kills them."""
+    """Waits for every rank; once one fails, gives the rest a short grace and then kills them.
+
+    Returns whether it timed out: killed ranks that were still running with no failed peer.
+    """
     deadline = time.monotonic() + timeout_s
+    peer_failed = False
     while time.monotonic() < deadline:
         codes = [p.poll() for p in processes]
         if all(code is not None for code in codes):
             return False
-        if any(code not in (None, 0) for code in codes):
+        if not peer_failed and any(code not in (None, 0) for code in codes):
+            peer_failed = True
             deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
         time.sleep(0.1)
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    return not any(code not in (None, 0) for code in (p.returncode for p in processes))
+    return not peer_failed  # the caller kills what is still running
 
 
 def _read_rank_result(rank: int, path: Path, log_path: Path, process: subprocess.Popen[bytes]) -> RankResult:
@@ -410,14 +426,17 @@ def _read_rank_result(rank: int, path: Path, log_path: Path, process: subprocess
         return RankResult(**json.loads(path.read_text()))
     tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
     reason = tail[0] if tail else "no output"
-    return RankResult(rank=rank, error=f"rank exited with code {process.returncode} ({reason[:200]})")
+    return RankResult(
+        rank=rank, error=f"rank exited with code {process.returncode} ({reason[:200]})", wrote_result=False
+    )
 
 
 def _reduce(strategy: str, results: Sequence[RankResult]) -> StrategyResult:
-    errors = [r for r in results if r.error]
+    # A rank's own exception names the cause; a peer killed while waiting on it only saw the
+    # collective break, so its "exited with code -9" comes last.
+    errors = sorted((r for r in results if r.error), key=lambda r: not r.wrote_result)
     if errors:
-        # The first rank to fail names the cause; its peers only saw a broken collective.
-        return StrategyResult(strategy=strategy, error=f"rank {errors[0].rank}: {errors[0].error}")
+        return StrategyResult(strategy=strategy, error=errors[0].error)
     # A step ends when its slowest rank ends: the others wait for it in the next collective.
     per_step = [max(times) for times in zip(*(r.step_times_s for r in results))]
     return StrategyResult(
@@ -446,32 +465,35 @@ def _ratio(value: float | None, baseline: float | None) -> str:
 def print_table(results: Sequence[StrategyResult], spec: RunSpec, command: str, wall_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     ran = next((r for r in results if r.error is None), None)
-    model_line = (
-        f"{ran.num_params / 1e6:.2f} M parameters ({ran.model_source})" if ran is not None else "no strategy ran"
-    )
+    model_line = f"{ran.num_params / 1e6:.2f} M parameters from {ran.model_source}" if ran else "no strategy ran"
     knobs = spec.model
     table = Table(
         title=(
-            f"Step time and memory per rank, {spec.world_size} gloo ranks on CPU, "
-            f"{spec.steps} measured steps after {spec.warmup} warm-up"
+            f"Per rank, {spec.world_size} gloo ranks on CPU, median of {spec.steps} steps after {spec.warmup}"
+            " warm-up; ratios are to ddp in this run"
         ),
         caption=(
             f"GPT n_layer={knobs.n_layer} n_head={knobs.n_head} n_embd={knobs.n_embd} block_size={knobs.block_size}"
-            f" vocab={knobs.vocab_size}, batch {knobs.batch_size}/rank: {model_line}. AdamW, fp32.\n"
-            "step: median of the slowest rank's step; RSS and model state: the largest rank's. "
-            f"Ratios are to {BASELINE} in this run.\n{command}   ({wall_s:.0f} s)"
+            f" vocab={knobs.vocab_size}, batch {knobs.batch_size}/rank: {model_line}; AdamW, fp32.\n"
+            "step: the slowest rank's; RSS and model state (MiB): the largest rank's.\n"
+            f"{command}   ({wall_s:.0f} s)"
         ),
+        caption_justify="left",
     )
     table.add_column("strategy", style="bold")
-    for name in ("step ms", "× ddp", "peak RSS MiB", "× ddp", "params MiB", "grads MiB", "optim MiB", "state MiB", "× ddp"):
+    # Capped: a failed strategy's reason wraps here instead of stretching every row.
+    table.add_column("step ms", justify="right", max_width=40)
+    for name in ("×ddp", "peak RSS", "×ddp", "params", "grads", "optim", "state", "×ddp"):
         table.add_column(name, justify="right")
     baseline = next((r for r in results if r.strategy == BASELINE and r.error is None), None)
     for result in results:
         if result.error is not None:
             verb = "did not run on CPU" if result.strategy == "fsdp" else "failed"
-            table.add_row(result.strategy, f"[yellow]{verb}: {result.error}[/yellow]", *[""] * 8)
+            # rich has no colspan: the reason wraps inside the step column, left-aligned to read as prose.
+            table.add_row(result.strategy, Text(f"{verb}: {result.error}", style="yellow", justify="left"))
             continue
         table.add_row(
             result.strategy,
@@ -485,7 +507,11 @@ def print_table(results: Sequence[StrategyResult], spec: RunSpec, command: str, 
             _mib(result.state_total),
             _ratio(result.state_total, baseline.state_total if baseline else None),
         )
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:
+        # Piped or redirected, rich assumes 80 columns; a file has room for the whole row.
+        console = Console(width=max(console.width, 120))
+    console.print(table)
 
 
 # ---------------------------------------------------------------------------------------- CLI

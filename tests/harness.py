@@ -51,11 +51,15 @@ def launched_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, queue: Any
+) -> None:
     os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)  # N ranks share 2 cores
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(*args)
         buffer = io.BytesIO()
         torch.save(result, buffer)
@@ -67,13 +71,13 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Runs ``fn(*args)`` on ``world_size`` spawned gloo ranks; returns each rank's result in rank order."""
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """Runs ``fn(*args)`` on ``world_size`` spawned ranks; returns each rank's result in rank order."""
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = free_port()
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        context.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, queue), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:

@@ -219,12 +219,18 @@ class ZeroOptimizer(Optimizer):
             for buffer in self.flat_buffers:
                 for bucket in buffer.buckets:
                     bucket.finish_reduce()
-            self._check_every_param_had_grad()
         self._sync_state = SyncState.SYNCED
 
-    def _check_every_param_had_grad(self) -> None:
+    def _params_had_grad(self) -> bool:
+        """False when no parameter got a gradient on any rank (the step is then skipped, as in torch).
+
+        Raises when only some did: a flat shard cannot skip single parameters. One small
+        all-reduce, on every rank, every step, so that all ranks take the same decision.
+        """
         had_grad = self._had_grad.to(self._device)
         self.collectives.all_reduce(had_grad, dist.ReduceOp.MAX)
+        if not bool(had_grad.any()):
+            return False
         missing = [slot.name for _, _, slot in self._slot_of.values() if not had_grad[slot.index]]
         if missing:
             raise RuntimeError(
@@ -233,6 +239,7 @@ class ZeroOptimizer(Optimizer):
                 " and would apply momentum and weight decay to them anyway. Set requires_grad=False on parameters"
                 " that are not trained, or leave them out of the optimizer's param groups."
             )
+        return True
 
     # ------------------------------------------------------------------ step
     @property
@@ -246,6 +253,8 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_grad_sync()
+        if not self._params_had_grad():
+            return loss
         with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups():
             self.optimizer.step()
         self._publish_params()

@@ -1,0 +1,36 @@
+"""ZeRO-1/2 on CUDA with NCCL equal DDP (run where at least 2 GPUs are present; skipped otherwise)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from harness import launched_environment, run_on_ranks
+from lightning_zero import ZeroConfig, ZeroStrategy
+from models import TinyGPT, loader, max_abs_diff, params_of
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+def _train_on_gpus(world_size: int) -> dict[str, Any]:
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("zero1", ZeroStrategy(stage=1)),
+                           ("zero2", ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=700)))):
+        pl.seed_everything(0)
+        module = TinyGPT()
+        with launched_environment():
+            trainer = pl.Trainer(accelerator="gpu", devices=world_size, strategy=strategy, max_steps=20,
+                                 gradient_clip_val=0.5, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, deterministic=True)
+            trainer.fit(module, train_dataloaders=loader())
+        out[name] = {k: v.cpu() for k, v in params_of(module).items()}
+    return out
+
+
+def test_nccl_matches_ddp() -> None:
+    result = run_on_ranks(_train_on_gpus, 2, 2, backend="nccl")[0]
+    for stage in ("zero1", "zero2"):
+        assert max_abs_diff(result[stage], result["ddp"]) <= 1e-4

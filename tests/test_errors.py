@@ -1,0 +1,97 @@
+"""Bad input gets a clear error naming the value and the fix (no processes needed)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.cli import LightningCLI
+from torch import nn
+
+import lightning_zero
+from lightning_zero import Collectives, ZeroConfig, ZeroStrategy
+from lightning_zero.zero import check_shardable
+from models import TinyGPT
+
+
+@pytest.mark.parametrize("stage", [0, 3, 4, True])
+def test_unsupported_stage(stage: int) -> None:
+    with pytest.raises(ValueError, match=rf"ZeroConfig.stage={stage!r}"):
+        ZeroConfig(stage=stage)
+
+
+@pytest.mark.parametrize("size", [-1, 0])
+def test_bucket_size_must_be_positive(size: int) -> None:
+    with pytest.raises(ValueError, match=rf"reduce_bucket_size={size}.*positive"):
+        ZeroConfig(reduce_bucket_size=size)
+
+
+def test_unknown_config_field_is_named() -> None:
+    with pytest.raises(ValueError, match=r"\['bucket_size'\].*reduce_bucket_size"):
+        ZeroConfig.from_dict({"stage": 2, "bucket_size": 10})
+
+
+def test_stage_given_twice_must_agree() -> None:
+    with pytest.raises(ValueError, match=r"stage=1.*config.stage=2"):
+        ZeroStrategy(stage=1, config=ZeroConfig(stage=2))
+    assert ZeroStrategy(stage=1).config.stage == 1
+    assert ZeroStrategy(config={"stage": 1, "reduce_bucket_size": 10}).config.reduce_bucket_size == 10
+
+
+def test_optimizer_that_cannot_be_sharded() -> None:
+    params = [nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match=r"LBFGS.*AdamW"):
+        check_shardable(torch.optim.LBFGS(params), ZeroConfig())
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params: list[nn.Parameter]) -> None:
+            super().__init__(params, {})
+
+    with pytest.raises(ValueError, match=r"Custom.*allow_unknown_optimizer=True"):
+        check_shardable(Custom(params), ZeroConfig())
+    check_shardable(Custom(params), ZeroConfig(allow_unknown_optimizer=True))
+    check_shardable(torch.optim.AdamW(params), ZeroConfig())
+
+
+def test_used_without_a_distributed_launch() -> None:
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match=r"initialized torch.distributed process group.*Trainer\(strategy="):
+        Collectives()
+    with pytest.raises(RuntimeError, match=r"must be passed to a Trainer"):
+        _ = ZeroStrategy().root_device
+
+
+def test_unsupported_precision_names_the_value() -> None:
+    with pytest.raises(ValueError, match=r"bf16-mixed.*precision='32-true'"):
+        pl.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="bf16-mixed")
+
+
+@pytest.mark.parametrize("name,stage", [("zero1", 1), ("zero2", 2), ("zero2_spawn", 2)])
+def test_registered_names(name: str, stage: int) -> None:
+    trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy)
+    assert trainer.strategy.config.stage == stage
+    assert isinstance(trainer.strategy.precision_plugin, lightning_zero.ZeroPrecision)
+
+
+def test_lightning_cli_yaml_class_path() -> None:
+    strategy = {
+        "class_path": "lightning_zero.ZeroStrategy",
+        "init_args": {"config": {"stage": 1, "reduce_bucket_size": 1234, "reduce_every_micro_step": True}},
+    }
+    cli = LightningCLI(
+        TinyGPT,
+        run=False,
+        args={"trainer": {"strategy": strategy, "accelerator": "cpu", "devices": 2, "logger": False}},
+    )
+    assert isinstance(cli.trainer.strategy, ZeroStrategy)
+    assert cli.trainer.strategy.config == ZeroConfig(stage=1, reduce_bucket_size=1234, reduce_every_micro_step=True)
+
+
+def test_lightning_cli_rejects_a_bad_stage() -> None:
+    with pytest.raises((ValueError, SystemExit)):
+        LightningCLI(
+            TinyGPT,
+            run=False,
+            args={"trainer": {"strategy": {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 5}}}},
+        )
