@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,9 +216,8 @@ def _build_strategy(spec: RunSpec) -> Any:
         # Lightning's FSDP (FSDP1, use_orig_params=True, one unit for the whole model: no wrap policy).
         return FSDPStrategy(process_group_backend="gloo")
     stage = {"zero1": 1, "zero2": 2}[spec.strategy]
-    config = ZeroConfig(stage=stage) if spec.bucket_size is None else ZeroConfig(
-        stage=stage, reduce_bucket_size=spec.bucket_size
-    )
+    bucket = {} if spec.bucket_size is None else {"reduce_bucket_size": spec.bucket_size}
+    config = ZeroConfig(stage=stage, **bucket)
     # popen, the default: it sees the torchrun variables and launches nothing itself.
     return ZeroStrategy(config=config)
 
@@ -276,7 +275,9 @@ def _step_timer_class() -> type:
             self._seen_batches = 0
             self._started: float | None = None
 
-        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_start(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        ) -> None:
             self._started = time.perf_counter()
 
         def on_train_batch_end(
@@ -394,7 +395,9 @@ def run_strategy(spec: RunSpec, log_dir: Path, timeout_s: float) -> StrategyResu
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    results = [_read_rank_result(rank, path, log_paths[rank], processes[rank]) for rank, path in enumerate(result_paths)]
+    results = [
+        _read_rank_result(rank, path, log_paths[rank], processes[rank]) for rank, path in enumerate(result_paths)
+    ]
     if timed_out:
         results = [
             r if r.wrote_result else RankResult(rank=r.rank, error=f"no result within {timeout_s:.0f} s")
@@ -438,7 +441,7 @@ def _reduce(strategy: str, results: Sequence[RankResult]) -> StrategyResult:
     if errors:
         return StrategyResult(strategy=strategy, error=errors[0].error)
     # A step ends when its slowest rank ends: the others wait for it in the next collective.
-    per_step = [max(times) for times in zip(*(r.step_times_s for r in results))]
+    per_step = [max(times) for times in zip(*(r.step_times_s for r in results), strict=True)]
     return StrategyResult(
         strategy=strategy,
         median_step_s=statistics.median(per_step) if per_step else None,
@@ -523,12 +526,17 @@ def _positive_int(text: str) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=_positive_int, default=30, help="measured optimizer steps per strategy")
     parser.add_argument("--warmup", type=int, default=5, help="steps run first and not measured")
     parser.add_argument("--world-size", type=_positive_int, default=2, help="gloo ranks per strategy")
     parser.add_argument(
-        "--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES,
+        default=list(STRATEGIES),
         help=f"subset to run; {BASELINE} is always run too, as the reference for the ratios",
     )
     parser.add_argument("--n-layer", type=_positive_int, default=4)
@@ -538,7 +546,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=_positive_int, default=65)
     parser.add_argument("--batch-size", type=_positive_int, default=16, help="samples per rank per step")
     parser.add_argument(
-        "--bucket-size", type=_positive_int, default=None,
+        "--bucket-size",
+        type=_positive_int,
+        default=None,
         help="gradient bucket in elements: ZeRO's reduce_bucket_size, and the same bytes as DDP's"
         " bucket_cap_mb (default: each strategy's own default)",
     )
@@ -560,15 +570,18 @@ def main(argv: Sequence[str]) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="step_time_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     knobs = ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
+    load_1min = os.getloadavg()[0]
+    if load_1min > 1.0:
+        # Ranks get one core each; anything else running is measured as the strategies' cost.
+        print(f"warning: load average {load_1min:.1f} before the first rank started; step times will be noisy")
     started = time.monotonic()
     results: list[StrategyResult] = []
-    spec = RunSpec(BASELINE, args.world_size, args.warmup, args.steps, args.bucket_size, knobs)
+    baseline = RunSpec(BASELINE, args.world_size, args.warmup, args.steps, args.bucket_size, knobs)
     for name in strategies:
-        spec = RunSpec(name, args.world_size, args.warmup, args.steps, args.bucket_size, knobs)
         print(f"running {name} on {args.world_size} ranks ...", flush=True)
-        results.append(run_strategy(spec, log_dir, args.timeout))
-    command = "python benchmarks/step_time.py " + " ".join(argv)
-    print_table(results, spec, command.strip(), time.monotonic() - started)
+        results.append(run_strategy(replace(baseline, strategy=name), log_dir, args.timeout))
+    command = " ".join(["python benchmarks/step_time.py", *argv])
+    print_table(results, baseline, command, time.monotonic() - started)
     print(f"rank logs: {log_dir}")
     # FSDP is allowed not to run on CPU; any other failure is worth a non-zero exit.
     return 1 if any(r.error and r.strategy != "fsdp" for r in results) else 0

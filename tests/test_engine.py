@@ -1,0 +1,84 @@
+"""The ZeRO engine without a Trainer: global norm, skipped steps and no_sync, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness import run_on_ranks
+from lightning_zero import Collectives, CountingCollectives, ZeroConfig, ZeroOptimizer
+
+WORLD = 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+
+
+def _engine_cases() -> dict[str, Any]:
+    rank = dist.get_rank()
+    data = torch.randn(8, 6, generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {}
+
+    # Global norm: equal to torch's norm of the DDP-averaged full gradient.
+    reference = _model()
+    reference(data).pow(2).mean().backward()
+    for param in reference.parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= WORLD
+    out["torch_norm"] = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01))
+    model = _model()
+    counting = CountingCollectives(Collectives())
+    optimizer = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), model, counting, ZeroConfig(stage=2, reduce_bucket_size=16))
+    model(data).pow(2).mean().backward()
+    out["zero_norm"] = float(optimizer.clip_grad_norm_(0.01))
+    optimizer.step()
+    optimizer.zero_grad()
+
+    # A step with no gradient anywhere changes nothing, as in torch.
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: v.clone() for k, v in optimizer.state[next(optimizer.flat_buffers).master].items()}
+    optimizer.step()
+    out["unchanged_params"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    state_after = optimizer.state[next(optimizer.flat_buffers).master]
+    out["unchanged_state"] = all(torch.equal(state_before[k], state_after[k]) for k in state_before)
+
+    # no_sync: three accumulating backwards communicate nothing; the step reduces once.
+    counting.reset()
+    with optimizer.no_sync():
+        for _ in range(3):
+            model(data).pow(2).mean().backward()
+    out["calls_under_no_sync"] = len(counting.calls)
+    model(data).pow(2).mean().backward()
+    optimizer.step()
+    out["reduce_scatters_after"] = sum(c.op == "reduce_scatter" for c in counting.calls)
+    out["buckets"] = sum(len(b.buckets) for b in optimizer.flat_buffers)
+    out["grads_are_none"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_on_ranks(_engine_cases, WORLD)
+
+
+def test_global_norm_equals_torch_on_the_averaged_gradient(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        assert per_rank["zero_norm"] == pytest.approx(per_rank["torch_norm"], rel=1e-6)
+
+
+def test_step_without_gradients_changes_nothing(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        assert per_rank["unchanged_params"] and per_rank["unchanged_state"]
+
+
+def test_no_sync_defers_every_reduction_to_the_step(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        assert per_rank["calls_under_no_sync"] == 0
+        assert per_rank["reduce_scatters_after"] == per_rank["buckets"] > 1
+        assert per_rank["grads_are_none"]
