@@ -1,7 +1,7 @@
 """Step time, peak RSS and model-state bytes per rank: DDP vs FSDP vs ZeRO-1/2 on gloo ranks.
 
-    python benchmarks/step_time.py                       # defaults: 2 ranks, ~2 minutes on 2 cores
-    python benchmarks/step_time.py --strategies zero1 zero2 --steps 50 --n-embd 384
+    python benchmarks/step_time.py                       # defaults: 2 ranks, about 70 s on 2 idle cores
+    python benchmarks/step_time.py --strategies zero2 --steps 20 --n-embd 384 --bucket-size 500000
 
 Every strategy trains the demo GPT (``examples/gpt/model.py``; a comparable nanoGPT defined here
 if that file is missing or does not import) for ``--warmup + --steps`` optimizer steps, in a
@@ -22,7 +22,9 @@ Ranks are started the way torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE, MA
 the Trainer inside each one does not relaunch anything. The data is random tokens: a step's cost
 does not depend on what the tokens say, and the benchmark then needs no corpus.
 
-This is a measurement, not a test: nothing here asserts.
+Each rank gets one core's worth of threads, so anything else running on the machine is measured
+as the strategies' step time: the run ends with a warning when other processes used more than a
+tenth of a core on average. This is a measurement, not a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -146,8 +148,10 @@ def _rank_main(spec: RunSpec, result_path: Path) -> int:
 
 
 def _one_line(error: BaseException) -> str:
+    """The exception's type and first sentence: it has to fit in a table cell."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:240]
+    sentence = lines[0].split(". ")[0].rstrip(".") + "." if lines else ""
+    return f"{type(error).__name__}: {sentence}"[:240]
 
 
 def _train_and_measure(spec: RunSpec, rank: int) -> RankResult:
@@ -517,6 +521,44 @@ def print_table(results: Sequence[StrategyResult], spec: RunSpec, command: str, 
     console.print(table)
 
 
+# ---------------------------------------------------------------------------------------- noise
+@dataclass(frozen=True)
+class CpuSeconds:
+    """CPU time used so far by the whole machine, and by this process with its reaped children."""
+
+    machine: float | None
+    ours: float
+
+
+def _cpu_seconds() -> CpuSeconds:
+    machine: float | None
+    try:
+        # First line of /proc/stat: user nice system idle iowait irq softirq steal ... in clock ticks.
+        ticks = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+        user, nice, system, _idle, _iowait, irq, softirq = ticks
+        machine = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        machine = None  # not Linux: no warning, the numbers are printed all the same
+    ours = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        ours += usage.ru_utime + usage.ru_stime
+    return CpuSeconds(machine, ours)
+
+
+def _warn_if_shared(before: CpuSeconds, after: CpuSeconds, wall_s: float) -> None:
+    """Says so when other processes used the CPU during the run: ranks get a core each, and
+    whatever else ran was measured as the strategies' step time."""
+    if before.machine is None or after.machine is None or wall_s <= 0:
+        return
+    others_s = (after.machine - before.machine) - (after.ours - before.ours)
+    if others_s / wall_s > 0.1:
+        print(
+            f"warning: other processes used {others_s:.0f} CPU-s during this {wall_s:.0f} s run"
+            f" ({others_s / wall_s:.1f} cores on average); step times are not clean, run again on an idle machine"
+        )
+
+
 # ---------------------------------------------------------------------------------------- CLI
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -529,7 +571,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=_positive_int, default=30, help="measured optimizer steps per strategy")
+    parser.add_argument("--steps", type=_positive_int, default=50, help="measured optimizer steps per strategy")
     parser.add_argument("--warmup", type=int, default=5, help="steps run first and not measured")
     parser.add_argument("--world-size", type=_positive_int, default=2, help="gloo ranks per strategy")
     parser.add_argument(
@@ -570,10 +612,7 @@ def main(argv: Sequence[str]) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="step_time_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     knobs = ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
-    load_1min = os.getloadavg()[0]
-    if load_1min > 1.0:
-        # Ranks get one core each; anything else running is measured as the strategies' cost.
-        print(f"warning: load average {load_1min:.1f} before the first rank started; step times will be noisy")
+    cpu_before = _cpu_seconds()
     started = time.monotonic()
     results: list[StrategyResult] = []
     baseline = RunSpec(BASELINE, args.world_size, args.warmup, args.steps, args.bucket_size, knobs)
@@ -581,8 +620,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"running {name} on {args.world_size} ranks ...", flush=True)
         results.append(run_strategy(replace(baseline, strategy=name), log_dir, args.timeout))
     command = " ".join(["python benchmarks/step_time.py", *argv])
-    print_table(results, baseline, command, time.monotonic() - started)
+    wall_s = time.monotonic() - started
+    print_table(results, baseline, command, wall_s)
     print(f"rank logs: {log_dir}")
+    _warn_if_shared(cpu_before, _cpu_seconds(), wall_s)
     # FSDP is allowed not to run on CPU; any other failure is worth a non-zero exit.
     return 1 if any(r.error and r.strategy != "fsdp" for r in results) else 0
 
