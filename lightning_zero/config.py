@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 SUPPORTED_STAGES = (1, 2)
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,9 @@ class ZeroConfig:
             optimizer step (no communication on non-boundary micro-steps, at the price of a full
             local gradient buffer). ``True`` reduce-scatters every micro-step into the rank's
             shard instead: more communication, but stage 2 then never holds full gradients.
+        reduce_dtype: the dtype gradients are accumulated and reduced in: ``"fp32"`` (the
+            default, also for fp16/bf16 training: no precision lost in the sum over ranks), or
+            ``"bf16"``/``"fp16"`` to halve gradient memory and traffic.
         allow_unknown_optimizer: ZeRO steps each rank's flat shard independently, which is only
             correct for optimizers whose update is elementwise (SGD, Adam, AdamW, ...). Known
             non-elementwise optimizers are always refused; set this to ``True`` to accept an
@@ -38,6 +44,7 @@ class ZeroConfig:
     stage: int = 2
     reduce_bucket_size: int = 25_000_000
     reduce_every_micro_step: bool = False
+    reduce_dtype: str = "fp32"
     allow_unknown_optimizer: bool = False
 
     def __post_init__(self) -> None:
@@ -50,6 +57,14 @@ class ZeroConfig:
         _check_positive("reduce_bucket_size", self.reduce_bucket_size)
         _check_type("reduce_every_micro_step", self.reduce_every_micro_step, bool)
         _check_type("allow_unknown_optimizer", self.allow_unknown_optimizer, bool)
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(
+                f"ZeroConfig.reduce_dtype={self.reduce_dtype!r} is not one of {', '.join(map(repr, REDUCE_DTYPES))}."
+            )
+
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.reduce_dtype]
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ZeroConfig:

@@ -29,7 +29,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.precision import ZeroPrecision
+from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.optimizer import ZeroOptimizer, no_sync
@@ -100,6 +100,7 @@ class ZeroStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self._collectives = collectives
+        self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
 
     # ------------------------------------------------------------------ precision
     @property
@@ -110,16 +111,18 @@ class ZeroStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        # The Trainer assigns a generic plugin built from `precision=`; ZeRO needs its own.
+        # The Trainer assigns a generic plugin built from `precision=`; ZeRO needs its own, which
+        # keeps the fp32 master weights in the sharded optimizer.
         if precision_plugin is None or isinstance(precision_plugin, ZeroPrecision):
             self._precision_plugin = precision_plugin
-        elif type(precision_plugin) is Precision:
-            self._precision_plugin = ZeroPrecision("32-true")
+        elif type(precision_plugin) in (Precision, MixedPrecision, HalfPrecision):
+            self._precision_plugin = ZeroPrecision(str(precision_plugin.precision))
         else:
             precision = getattr(precision_plugin, "precision", None)
             raise ValueError(
                 f"ZeroStrategy does not support the precision plugin {type(precision_plugin).__name__}"
-                f" (precision={precision!r}) yet: it trains in fp32 for now. Use Trainer(precision='32-true')."
+                f" (precision={precision!r}). Use Trainer(precision=...) with one of"
+                f" {', '.join(map(repr, SUPPORTED_PRECISION))}, or plugins=[ZeroPrecision(...)]."
             )
 
     # ------------------------------------------------------------------ processes and devices
@@ -203,13 +206,15 @@ class ZeroStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self.world_size > 1:
             # Every rank must start from rank 0's weights, as with DDP.
             _sync_module_states(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
+            # Before the precision cast: the fp32 master shards are taken from the fp32 weights.
             self.setup_optimizers(trainer)
+            self._skip_scheduler_steps_of_skipped_optimizer_steps()
+        self.model = self.precision_plugin.convert_module(self.model)
         self.setup_precision_plugin()
 
     @override
@@ -217,10 +222,36 @@ class ZeroStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         _check_params_in_one_optimizer(self.optimizers)
+        precision = self.precision_plugin
+        assert isinstance(precision, ZeroPrecision)
         self.optimizers = [
-            ZeroOptimizer(optimizer, self.lightning_module, self.collectives, self.config)
+            ZeroOptimizer(
+                optimizer,
+                self.lightning_module,
+                self.collectives,
+                self.config,
+                param_dtype=precision.param_dtype,
+                loss_scaler=precision.loss_scaler,
+            )
             for optimizer in self.optimizers
         ]
+
+    def _skip_scheduler_steps_of_skipped_optimizer_steps(self) -> None:
+        """Lightning steps LR schedulers after every optimizer step call; a step skipped on fp16
+        overflow must not advance the schedule, so the module's ``lr_scheduler_step`` is gated."""
+        module = self.lightning_module
+        assert module is not None
+        owner = {id(opt.optimizer): opt for opt in self.zero_optimizers}
+        lr_scheduler_step = module.lr_scheduler_step
+
+        def gated_lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            zero_optimizer = owner.get(id(getattr(scheduler, "optimizer", None)))
+            if zero_optimizer is not None and zero_optimizer.last_step_skipped:
+                return
+            lr_scheduler_step(scheduler, metric)
+
+        module.lr_scheduler_step = gated_lr_scheduler_step  # type: ignore[method-assign]
+        self._restore_lr_scheduler_step = lambda: module.__dict__.pop("lr_scheduler_step", None)
 
     @property
     def zero_optimizers(self) -> list[ZeroOptimizer]:
@@ -308,6 +339,7 @@ class ZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         for optimizer in self.zero_optimizers:
             optimizer.remove_hooks()
+        self._restore_lr_scheduler_step()
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()

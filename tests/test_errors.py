@@ -62,8 +62,10 @@ def test_used_without_a_distributed_launch() -> None:
 
 
 def test_unsupported_precision_names_the_value() -> None:
-    with pytest.raises(ValueError, match=r"bf16-mixed.*precision='32-true'"):
-        pl.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="bf16-mixed")
+    with pytest.raises(ValueError, match=r"DoublePrecision.*'64-true'.*'bf16-mixed'"):
+        pl.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="64-true")
+    with pytest.raises(ValueError, match=r"precision='fp8'.*'16-mixed'"):
+        lightning_zero.ZeroPrecision("fp8")
 
 
 @pytest.mark.parametrize("name,stage", [("zero1", 1), ("zero2", 2), ("zero2_spawn", 2)])

@@ -71,8 +71,10 @@ class Bucket:
         world_size: int,
         rank: int,
         keep_grad_buffer: bool,
+        grad_dtype: torch.dtype,
     ) -> None:
         self.param_data = param_data
+        self.grad_dtype = grad_dtype
         self.slots = slots
         self.shard_range = shard_range
         self.world_size = world_size
@@ -103,7 +105,7 @@ class Bucket:
             # gradient before this buffer takes new gradients.
             self.finish_reduce()
         if self.grad_data is None:
-            self.grad_data = torch.zeros_like(self.param_data)
+            self.grad_data = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.param_data.device)
         slot.bucket_range.slice(self.grad_data).add_(grad.reshape(-1))
         self.state = GradState.ACCUMULATING
 
@@ -132,7 +134,7 @@ class Bucket:
         with torch.profiler.record_function("zero::wait_reduce_scatter"):
             self._handle.wait()
         assert self.master_grad is not None
-        self.master_grad.add_(self._reduce_output)
+        self.master_grad.add_(self._reduce_output)  # upcasts a bf16/fp16 reduction to fp32
         self._reduce_output = None
         self._handle = None
         self._release_grad()
@@ -157,8 +159,10 @@ class Bucket:
 class FlatParamBuffer:
     """The parameters of one param group and one dtype, flattened into buckets.
 
-    Owns the full flat parameter data [sum of padded bucket sizes] (every rank holds all of it at
-    stages 1 and 2), and this rank's fp32 master shard [sum of shard sizes] with its gradient.
+    Owns the full flat parameter data [sum of padded bucket sizes] in ``param_dtype`` (every rank
+    holds all of it at stages 1 and 2), and this rank's fp32 master shard [sum of shard sizes] with
+    its gradient. The master is taken from the parameters' values before any cast to
+    ``param_dtype``, so casting a model to bf16/fp16 loses nothing of the weights it started from.
     """
 
     def __init__(
@@ -169,50 +173,50 @@ class FlatParamBuffer:
         rank: int,
         keep_grad_buffers: bool,
         device: torch.device,
+        param_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
-        dtype = named_params[0][2].dtype
+        dtype = param_dtype or named_params[0][2].dtype
         layout = _plan_buckets(named_params, bucket_size, world_size)
         total = sum(padded for _, padded in layout)
         self.dtype = dtype
         self.data = torch.zeros(total, dtype=dtype, device=device)
+        self.master = torch.empty(total // world_size, dtype=torch.float32, device=device)
+        self.master_grad = torch.zeros_like(self.master)
         self.buckets: list[Bucket] = []
         self.slots: list[ParamSlot] = []
         bucket_start = 0
-        shard_start = 0
         for members, padded in layout:
             param_data = self.data[bucket_start : bucket_start + padded]
-            slots: list[ParamSlot] = []
+            shard_start = bucket_start // world_size
+            bucket = Bucket(
+                param_data, [], Range(shard_start, shard_start + padded // world_size),
+                world_size, rank, keep_grad_buffers, grad_dtype,
+            )
+            # The bucket's values in full precision, one bucket at a time: the master shard is
+            # taken from them rather than from the (possibly bf16/fp16) flat parameters.
+            values = torch.zeros(padded, dtype=torch.float32, device=device)
             offset = 0
             for index, name, param in members:
                 slot = ParamSlot(param, name, index, Range(offset, offset + param.numel()))
-                slot.bucket_range.slice(param_data).copy_(param.detach().reshape(-1))
-                slots.append(slot)
+                slot.bucket_range.slice(values).copy_(param.detach().reshape(-1))
+                bucket.slots.append(slot)
                 offset += param.numel()
-            shard_range = Range(shard_start, shard_start + padded // world_size)
-            self.buckets.append(Bucket(param_data, slots, shard_range, world_size, rank, keep_grad_buffers))
-            self.slots.extend(slots)
+            param_data.copy_(values)
+            bucket.shard_range.slice(self.master).copy_(bucket.owned_chunk(values))
+            bucket.master_grad = bucket.shard_range.slice(self.master_grad)
+            self.buckets.append(bucket)
+            self.slots.extend(bucket.slots)
             bucket_start += padded
-            shard_start += shard_range.size
         # Parameters become views into the flat buffer only after every value was copied, so that
         # no copy reads a parameter that an earlier rebinding already moved.
         for bucket in self.buckets:
             for slot in bucket.slots:
                 slot.param.data = slot.bucket_range.slice(bucket.param_data).view_as(slot.param)
-        self.master = torch.empty(shard_start, dtype=torch.float32, device=device)
-        self.master_grad = torch.zeros_like(self.master)
-        for bucket in self.buckets:
-            bucket.master_grad = bucket.shard_range.slice(self.master_grad)
-        self.refresh_master()
 
     @property
     def numel(self) -> int:
         return sum(slot.bucket_range.size for slot in self.slots)
-
-    def refresh_master(self) -> None:
-        """Copies this rank's chunk of the (possibly updated) parameters into the fp32 master shard."""
-        with torch.no_grad():
-            for bucket in self.buckets:
-                bucket.shard_range.slice(self.master).copy_(bucket.owned_chunk(bucket.param_data))
 
     def start_all_gather(self, collectives: Collectives | CountingCollectives) -> list[Handle]:
         """Publishes the updated master shard: every bucket's chunks are gathered to every rank."""

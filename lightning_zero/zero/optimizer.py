@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.flat_buffer import Bucket, FlatParamBuffer, GradState, ParamSlot
 
@@ -92,7 +93,20 @@ class ZeroOptimizer(Optimizer):
         module: nn.Module,
         collectives: Collectives | CountingCollectives,
         config: ZeroConfig,
+        param_dtype: torch.dtype | None = None,
+        loss_scaler: LossScaler | None = None,
     ) -> None:
+        """
+        Args:
+            optimizer: the user's optimizer over ``module``'s parameters.
+            module: owns the parameters (their names appear in errors).
+            collectives: the data-parallel group's collectives.
+            config: ZeRO settings.
+            param_dtype: the dtype the model's parameters are held and computed in (bf16/fp16 for
+                mixed precision); the master shard is always fp32. ``None`` keeps their dtype.
+            loss_scaler: for fp16: gradients arrive multiplied by its scale; steps whose gradients
+                overflow on any rank are skipped and reported to it.
+        """
         check_shardable(optimizer, config)
         if any(optimizer.state.values()):
             raise ValueError(
@@ -103,6 +117,11 @@ class ZeroOptimizer(Optimizer):
         self.optimizer = optimizer
         self.collectives = collectives
         self.config = config
+        self.param_dtype = param_dtype
+        self.loss_scaler = loss_scaler
+        self.last_step_skipped = False
+        # true gradient = master_grad * coefficient; None means "1 / loss scale", decided when used.
+        self._grad_coefficient: Tensor | float | None = None
         self.buffers: list[list[FlatParamBuffer]] = []  # [param group][dtype]
         self._sync_enabled = True
         self._sync_state = SyncState.SYNCED
@@ -155,6 +174,8 @@ class ZeroOptimizer(Optimizer):
                     rank=self.collectives.rank,
                     keep_grad_buffers=self.config.stage == 1,
                     device=device,
+                    param_dtype=self.param_dtype,
+                    grad_dtype=self.config.reduce_torch_dtype,
                 )
                 for entries in by_dtype.values()
             ]
@@ -221,25 +242,35 @@ class ZeroOptimizer(Optimizer):
                     bucket.finish_reduce()
         self._sync_state = SyncState.SYNCED
 
-    def _params_had_grad(self) -> bool:
-        """False when no parameter got a gradient on any rank (the step is then skipped, as in torch).
+    def _step_flags(self) -> tuple[bool, bool]:
+        """(any parameter got a gradient, any rank's gradient overflowed), agreed by all ranks.
 
-        Raises when only some did: a flat shard cannot skip single parameters. One small
-        all-reduce, on every rank, every step, so that all ranks take the same decision.
+        One small all-reduce, on every rank, every step, so that all ranks take the same decision:
+        per-parameter "had a gradient" flags plus, with a loss scaler, one overflow flag. Raises when
+        only some parameters got a gradient: a flat shard cannot skip single parameters.
         """
-        had_grad = self._had_grad.to(self._device)
-        self.collectives.all_reduce(had_grad, dist.ReduceOp.MAX)
+        flags = torch.zeros(len(self._had_grad) + 1, dtype=torch.int32, device=self._device)
+        flags[:-1] = self._had_grad.to(self._device)
+        if self.loss_scaler is not None:
+            finite = all(bool(torch.isfinite(buffer.master_grad).all()) for buffer in self.flat_buffers)
+            flags[-1] = 0 if finite else 1
+        self.collectives.all_reduce(flags, dist.ReduceOp.MAX)
+        flags = flags.cpu()
+        had_grad, overflow = flags[:-1], bool(flags[-1])
         if not bool(had_grad.any()):
-            return False
-        missing = [slot.name for _, _, slot in self._slot_of.values() if not had_grad[slot.index]]
-        if missing:
+            return False, False
+        if overflow:
+            return True, True
+        if not bool(had_grad.all()):
+            without = set((had_grad == 0).nonzero().flatten().tolist())
+            missing = [slot.name for _, _, slot in self._slot_of.values() if slot.index in without]
             raise RuntimeError(
                 f"These parameters received no gradient on any rank since the last zero_grad: {missing[:10]}"
                 f"{' ...' if len(missing) > 10 else ''}. torch.optim would skip them, but ZeRO steps flat shards"
                 " and would apply momentum and weight decay to them anyway. Set requires_grad=False on parameters"
                 " that are not trained, or leave them out of the optimizer's param groups."
             )
-        return True
+        return True, False
 
     # ------------------------------------------------------------------ step
     @property
@@ -248,17 +279,50 @@ class ZeroOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Reduces, checks, unscales/clips and applies the update, then publishes the new parameters.
+
+        The step is skipped (parameters and optimizer state untouched) when no parameter got a
+        gradient, or, with a loss scaler, when any rank's gradient overflowed; ``last_step_skipped``
+        tells which happened last.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.finish_grad_sync()
-        if not self._params_had_grad():
+        had_grad, overflow = self._step_flags()
+        self.last_step_skipped = overflow
+        if overflow:
+            assert self.loss_scaler is not None
+            self.zero_grad()
+            self.loss_scaler.update(overflow=True)
             return loss
+        if not had_grad:
+            return loss
+        self._apply_grad_coefficient()
         with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups():
             self.optimizer.step()
+        self._grad_coefficient = None
         self._publish_params()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
         return loss
+
+    def _grad_coefficient_now(self) -> Tensor | float:
+        if self._grad_coefficient is None:
+            return 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return self._grad_coefficient
+
+    def _apply_grad_coefficient(self) -> None:
+        """Unscales and clips the master gradients in one pass (nothing to do when the factor is 1)."""
+        coefficient = self._grad_coefficient_now()
+        if not isinstance(coefficient, Tensor) and coefficient == 1.0:
+            self._grad_coefficient = 1.0
+            return
+        with torch.profiler.record_function("zero::unscale_and_clip"):
+            for buffer in self.flat_buffers:
+                buffer.master_grad.mul_(coefficient)
+        self._grad_coefficient = 1.0
 
     @contextlib.contextmanager
     def _masters_in_param_groups(self) -> Iterator[None]:
@@ -291,6 +355,7 @@ class ZeroOptimizer(Optimizer):
             for param in self._slot_of:
                 param.grad = None
         self._had_grad.zero_()
+        self._grad_coefficient = None
         self._sync_state = SyncState.SYNCED
 
     # ------------------------------------------------------------------ clipping
@@ -298,17 +363,17 @@ class ZeroOptimizer(Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Scales the gradients so their global norm over all ranks is at most ``max_norm``.
 
-        Returns the norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does.
+        Returns the (unscaled) norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does. The
+        clip factor is folded into the unscale factor and applied in the step's single pass.
         """
         total = self.global_grad_norm(norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for buffer in self.flat_buffers:
-            buffer.master_grad.mul_(coefficient.to(buffer.master_grad.device))
+        clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._grad_coefficient = self._grad_coefficient_now() * clip
         return total
 
     @torch.no_grad()
     def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        """The norm of the full averaged gradient, computed from every rank's shard (collective)."""
+        """The norm of the full averaged, unscaled gradient, from every rank's shard (collective)."""
         self.finish_grad_sync()
         norm_type = float(norm_type)
         grads = [buffer.master_grad for buffer in self.flat_buffers]
@@ -316,14 +381,19 @@ class ZeroOptimizer(Optimizer):
             local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros(())]).max()
             local = local.to(self._device, torch.float32)
             self.collectives.all_reduce(local, dist.ReduceOp.MAX)
-            return local
-        local = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=self._device))
-        self.collectives.all_reduce(local, dist.ReduceOp.SUM)
-        return local.pow(1.0 / norm_type)
+            norm = local
+        else:
+            local = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=self._device))
+            self.collectives.all_reduce(local, dist.ReduceOp.SUM)
+            norm = local.pow(1.0 / norm_type)
+        coefficient = self._grad_coefficient_now()
+        return norm * (coefficient.abs() if isinstance(coefficient, Tensor) else abs(coefficient))
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamps the unscaled gradients to [-clip_value, clip_value]."""
         self.finish_grad_sync()
+        self._apply_grad_coefficient()
         for buffer in self.flat_buffers:
             buffer.master_grad.clamp_(-clip_value, clip_value)
 

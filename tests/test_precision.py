@@ -1,0 +1,205 @@
+"""Mixed precision under ZeRO on 2 gloo ranks: loss scaling, skipped steps, accuracy against fp32 DDP."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+
+from harness import launched_environment, run_on_ranks
+from lightning_zero import Collectives, ZeroConfig, ZeroOptimizer, ZeroPrecision, ZeroStrategy
+from lightning_zero.loss_scaler import LossScaleConfig, LossScaler
+from models import TinyGPT, loader
+
+WORLD = 2
+OVERFLOW_STEPS = {1, 2, 6}  # injected into rank 1's gradient only
+EXPECTED_SCALES = [16, 16, 8, 8, 8, 16, 16, 16]  # initial 2**4, window 3, hysteresis 2
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "gpt")
+
+
+def _scripted_overflow() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    scaler = LossScaler(LossScaleConfig(initial_scale_power=4, loss_scale_window=3, hysteresis=2))
+    optimizer = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), model, Collectives(),
+        ZeroConfig(stage=2, reduce_bucket_size=64), param_dtype=torch.float16, loss_scaler=scaler,
+    )
+    inject = {"now": False}
+    if dist.get_rank() == 1:
+        model[2].weight.register_hook(lambda grad: torch.full_like(grad, math.inf) if inject["now"] else grad)
+    data = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank())).half()
+    record: dict[str, list[Any]] = {"scales": [], "skipped": [], "unchanged": [], "changed": []}
+    for step in range(len(EXPECTED_SCALES)):
+        inject["now"] = step in OVERFLOW_STEPS
+        params = [p.detach().clone() for p in model.parameters()]
+        master = [b.master.clone() for b in optimizer.flat_buffers]
+        state = [{k: v.clone() for k, v in optimizer.state.get(b.master, {}).items()} for b in optimizer.flat_buffers]
+        optimizer.zero_grad()
+        (model(data).float().pow(2).mean() * scaler.scale).backward()
+        optimizer.step()
+        same_params = all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+        same_master = all(torch.equal(a, b.master) for a, b in zip(master, optimizer.flat_buffers))
+        same_state = all(
+            torch.equal(v, optimizer.state[b.master][k]) for s, b in zip(state, optimizer.flat_buffers) for k, v in s.items()
+        )
+        record["scales"].append(scaler.scale)
+        record["skipped"].append(optimizer.last_step_skipped)
+        record["unchanged"].append(same_params and same_master and same_state)
+        record["changed"].append(not same_params and not same_master)
+    record["dtype"] = [p.dtype for p in model.parameters()]
+    return record
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+def _trainer(strategy: Any, steps: int, callbacks: list[Callback] | None = None, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=callbacks, **kwargs)
+
+
+def _skipped_steps_keep_the_schedule(directory: str) -> dict[str, Any]:
+    pl.seed_everything(0)
+    module = TinyGPT(scheduler=True)
+    # 2**28 overflows fp16 gradients: the scale halves (no hysteresis) until they fit.
+    plugin = ZeroPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale_power=28, hysteresis=1))
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(stage=2), 20, plugins=[plugin], gradient_clip_val=1.0)
+        trainer.fit(module, train_dataloaders=loader())
+        path = os.path.join(directory, "fp16.ckpt")
+        trainer.save_checkpoint(path)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    checkpoint = torch.load(path, weights_only=False)
+    return {
+        "global_step": trainer.global_step,
+        "skipped": plugin.loss_scaler.skipped_steps,
+        "scheduler_steps": scheduler.last_epoch,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "scale": plugin.loss_scaler.scale,
+        "saved_scaler": checkpoint.get("ZeroPrecision", {}).get("loss_scaler"),
+        "param_dtype": next(module.parameters()).dtype,
+    }
+
+
+def _demo_gpt_losses(strategy: Any, steps: int, **kwargs: Any) -> list[float]:
+    sys.path.insert(0, EXAMPLES)
+    from data import CharDataModule
+    from model import GPT
+
+    pl.seed_everything(0)
+    data = CharDataModule(block_size=32, batch_size=16)
+    module = GPT(vocab_size=data.vocab_size, block_size=32, n_layer=2, n_head=4, n_embd=64, lr=3e-3)
+    losses = Losses()
+    with launched_environment():
+        trainer = _trainer(strategy, steps, callbacks=[losses], limit_val_batches=0, **kwargs)
+        trainer.fit(module, datamodule=data)
+    return losses.losses
+
+
+class ManualModule(TinyGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.norms: list[float] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        tokens, targets = batch
+        loss = nn.functional.cross_entropy(self(tokens).flatten(0, 1).float(), targets.flatten())
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        self.losses.append(loss.item())
+
+
+def _manual(strategy: Any, **kwargs: Any) -> dict[str, Any]:
+    pl.seed_everything(0)
+    module = ManualModule()
+    with launched_environment():
+        trainer = _trainer(strategy, 10, **kwargs)
+        trainer.fit(module, train_dataloaders=loader())
+    return {"losses": module.losses, "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+
+
+def _all_cases(directory: str) -> dict[str, Any]:
+    return {
+        "scripted": _scripted_overflow(),
+        "schedule": _skipped_steps_keep_the_schedule(directory),
+        "gpt_fp32_ddp": _demo_gpt_losses("ddp", 50),
+        "gpt_bf16": _demo_gpt_losses(ZeroStrategy(stage=2), 50, precision="bf16-mixed"),
+        "gpt_fp16": _demo_gpt_losses(ZeroStrategy(stage=2), 50, plugins=[ZeroPrecision("16-mixed")]),
+        "manual_fp32": _manual(ZeroStrategy(stage=1)),
+        "manual_fp16": _manual(ZeroStrategy(stage=1), plugins=[ZeroPrecision("16-mixed")]),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as directory:
+        return run_on_ranks(_all_cases, WORLD, directory)
+
+
+def test_scripted_overflow_on_one_rank_skips_on_every_rank(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        record = per_rank["scripted"]
+        assert record["scales"] == EXPECTED_SCALES
+        assert [i for i, skipped in enumerate(record["skipped"]) if skipped] == sorted(OVERFLOW_STEPS)
+        for step, (unchanged, changed) in enumerate(zip(record["unchanged"], record["changed"])):
+            assert unchanged if step in OVERFLOW_STEPS else changed, f"step {step}"
+        assert set(record["dtype"]) == {torch.float16}
+    assert results[0]["scripted"] == results[1]["scripted"]
+
+
+def test_skipped_steps_do_not_advance_the_scheduler(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        outcome = per_rank["schedule"]
+        assert outcome["skipped"] >= 5  # 2**28 must come down to fp16's range first
+        assert outcome["global_step"] == 20  # counts attempted optimizer steps
+        assert outcome["scheduler_steps"] == outcome["global_step"] - outcome["skipped"]
+        assert outcome["lr"] == pytest.approx(1e-2 * 0.5 ** (outcome["scheduler_steps"] // 3))
+        assert outcome["metrics"]["skipped_steps"] == outcome["skipped"]
+        assert outcome["metrics"]["loss_scale"] == outcome["scale"] < 2.0**28
+        assert math.isfinite(outcome["metrics"]["grad_norm"])
+        assert outcome["saved_scaler"]["scale"] == outcome["scale"]
+        assert outcome["param_dtype"] == torch.float16
+
+
+# Per-step loss tolerance against fp32 DDP on the demo GPT over 50 steps (measured: see the note).
+BF16_TOLERANCE = 0.02  # measured max 1.2e-3
+FP16_TOLERANCE = 0.005  # measured max 6.7e-5
+
+
+@pytest.mark.parametrize(("case", "tolerance"), [("gpt_bf16", BF16_TOLERANCE), ("gpt_fp16", FP16_TOLERANCE)])
+def test_mixed_precision_tracks_fp32_ddp(results: list[dict[str, Any]], case: str, tolerance: float) -> None:
+    for per_rank in results:
+        reference, losses = per_rank["gpt_fp32_ddp"], per_rank[case]
+        assert len(losses) == len(reference) == 50
+        assert reference[-1] < reference[0] - 0.5  # the model really learns in 50 steps
+        assert max(abs(a - b) for a, b in zip(losses, reference)) <= tolerance
+
+
+def test_manual_backward_is_scaled_and_clipping_unscales(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        fp32, fp16 = per_rank["manual_fp32"], per_rank["manual_fp16"]
+        assert max(abs(a - b) for a, b in zip(fp16["losses"], fp32["losses"])) <= FP16_TOLERANCE
+        assert fp16["metrics"]["grad_norm"] == pytest.approx(fp32["metrics"]["grad_norm"], rel=0.02)
+        assert fp16["metrics"]["loss_scale"] == 2.0**16
