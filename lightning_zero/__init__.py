@@ -7,6 +7,7 @@ variants) with Lightning, so ``Trainer(strategy="zero2")`` works. Importing neve
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
 from lightning_zero.zero import (
@@ -30,6 +31,9 @@ _register_strategies()
 __all__ = [
     "Collectives",
     "CountingCollectives",
+    "LossScaleAtMinimumError",
+    "LossScaleConfig",
+    "LossScaler",
     "ModelStateBytes",
     "ZeroConfig",
     "ZeroOptimizer",

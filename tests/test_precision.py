@@ -203,3 +203,29 @@ def test_manual_backward_is_scaled_and_clipping_unscales(results: list[dict[str,
         assert max(abs(a - b) for a, b in zip(fp16["losses"], fp32["losses"])) <= FP16_TOLERANCE
         assert fp16["metrics"]["grad_norm"] == pytest.approx(fp32["metrics"]["grad_norm"], rel=0.02)
         assert fp16["metrics"]["loss_scale"] == 2.0**16
+
+
+def _reduce_in_bf16() -> dict[str, Any]:
+    from lightning_zero import CountingCollectives
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    counting = CountingCollectives(Collectives())
+    optimizer = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), model, counting,
+        ZeroConfig(stage=2, reduce_bucket_size=64, reduce_dtype="bf16"), param_dtype=torch.bfloat16,
+    )
+    model(torch.randn(4, 8).bfloat16()).float().pow(2).mean().backward()
+    optimizer.step()
+    return {
+        "reduce_dtypes": {c.dtype for c in counting.calls if c.op == "reduce_scatter"},
+        "gather_dtypes": {c.dtype for c in counting.calls if c.op == "all_gather"},
+        "master_dtypes": {b.master.dtype for b in optimizer.flat_buffers},
+    }
+
+
+def test_gradients_reduce_in_the_configured_dtype() -> None:
+    for outcome in run_on_ranks(_reduce_in_bf16, WORLD):
+        assert outcome["reduce_dtypes"] == {torch.bfloat16}
+        assert outcome["gather_dtypes"] == {torch.bfloat16}
+        assert outcome["master_dtypes"] == {torch.float32}
