@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.loss_scaler import LossScaleConfig, LossScaler
-from lightning_zero.zero.optimizer import ZeroOptimizer
+from lightning_zero.zero.optimizer import ShardedOptimizer
 
 COMPUTE_DTYPES = {
     "32-true": torch.float32,
@@ -179,9 +179,9 @@ class ZeroPrecision(Precision):
         module.log(name, value.detach().float(), on_step=True, on_epoch=False)
 
 
-def _as_zero_optimizer(optimizer: Any, what: str) -> ZeroOptimizer:
+def _as_zero_optimizer(optimizer: Any, what: str) -> ShardedOptimizer:
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-    if not isinstance(optimizer, ZeroOptimizer):
+    if not isinstance(optimizer, ShardedOptimizer):
         raise TypeError(
             f"{what} under ZeroStrategy needs the optimizer the strategy set up, got {type(optimizer).__name__}."
             " Pass the optimizer from `self.optimizers()` (or let Lightning clip via gradient_clip_val)."

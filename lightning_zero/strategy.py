@@ -45,7 +45,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
-from lightning_zero.zero.optimizer import ZeroOptimizer, no_sync
+from lightning_zero.zero.optimizer import ShardedOptimizer, ZeroOptimizer, no_sync
 
 log = logging.getLogger(__name__)
 
@@ -254,8 +254,8 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step = lambda: module.__dict__.pop("lr_scheduler_step", None)
 
     @property
-    def zero_optimizers(self) -> list[ZeroOptimizer]:
-        return [opt for opt in self.optimizers if isinstance(opt, ZeroOptimizer)]
+    def zero_optimizers(self) -> list[ShardedOptimizer]:
+        return [opt for opt in self.optimizers if isinstance(opt, ShardedOptimizer)]
 
     @override
     def model_to_device(self) -> None:
@@ -272,7 +272,7 @@ class ZeroStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         zero_optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if not isinstance(zero_optimizer, ZeroOptimizer):
+        if not isinstance(zero_optimizer, ShardedOptimizer):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_sync() -> Any:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.zero.optimizer import ZeroOptimizer
+from lightning_zero.zero.optimizer import ShardedOptimizer
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,9 @@ def model_state_bytes(module: nn.Module, optimizers: Sequence[Optimizer]) -> Mod
     states = _StorageCounter()
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
-        if isinstance(optimizer, ZeroOptimizer):
-            for buffer in optimizer.flat_buffers:
-                grads.add([buffer.master_grad])
-                grads.add(bucket.grad_data for bucket in buffer.buckets)
-                states.add([buffer.master])
+        if isinstance(optimizer, ShardedOptimizer):
+            grad_tensors, master_tensors = optimizer.memory_tensors()
+            grads.add(grad_tensors)
+            states.add(master_tensors)
         states.add(value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor))
     return ModelStateBytes(params=params.bytes, grads=grads.bytes, optimizer_states=states.bytes)

@@ -80,7 +80,273 @@ def check_shardable(optimizer: Optimizer, config: ZeroConfig) -> None:
     )
 
 
-class ZeroOptimizer(Optimizer):
+class ShardedOptimizer(Optimizer):
+    """What every ZeRO stage's optimizer shares: the step's decisions, clipping, loss scaling.
+
+    A subclass owns the layout: where the fp32 master shards and their gradients live
+    (``_master_grads``, ``_group_masters``), how gradients reach them (``finish_grad_sync``), how
+    updated values reach the model (``_publish_params``) and the full-format state dict.
+    ``param_groups`` and ``state`` are the wrapped optimizer's own objects, so LR schedulers and
+    monitors that read or write either see the same values.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        collectives: Collectives | CountingCollectives,
+        config: ZeroConfig,
+        loss_scaler: LossScaler | None,
+    ) -> None:
+        check_shardable(optimizer, config)
+        if any(optimizer.state.values()):
+            raise ValueError(
+                f"The {type(optimizer).__name__} handed to ZeRO already has optimizer state; ZeRO must shard it"
+                " before the first step. Build the optimizer in configure_optimizers and let the strategy set it up;"
+                " to resume, load the state through the checkpoint instead."
+            )
+        self.optimizer = optimizer
+        self.collectives = collectives
+        self.config = config
+        self.loss_scaler = loss_scaler
+        self.last_step_skipped = False
+        # true gradient = master_grad * coefficient; None means "1 / loss scale", decided when used.
+        self._grad_coefficient: Tensor | float | None = None
+        self._sync_enabled = True
+        self._sync_state = SyncState.SYNCED
+        self._hook_handles: list[Any] = []
+        self._consolidated: dict[str, Any] | None = None
+        # Every parameter of every group as the user listed it, frozen ones included: the index
+        # space of torch's optimizer state_dict format.
+        self._group_params: list[list[nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
+        self._had_grad = torch.zeros(0, dtype=torch.int32)
+
+    def _finish_init(self, num_trainable: int) -> None:
+        self._had_grad = torch.zeros(num_trainable, dtype=torch.int32)
+        # Optimizer.__init__ sets up the hook registries torch expects on every optimizer; the
+        # groups and state it builds are then replaced by the wrapped optimizer's own.
+        masters = [master for group in self._group_masters() for master in group]
+        super().__init__(masters or [torch.zeros(0)], dict(self.optimizer.defaults))
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+
+    # ------------------------------------------------------------------ layout (subclasses)
+    def _master_grads(self) -> Iterator[Tensor]:
+        """Every fp32 master-gradient tensor of this rank."""
+        raise NotImplementedError
+
+    def _group_masters(self) -> list[list[Tensor]]:
+        """Per param group, the fp32 master tensors the wrapped optimizer steps."""
+        raise NotImplementedError
+
+    def _param_names(self) -> dict[int, str]:
+        """Trainable-parameter index (as in ``_had_grad``) to its name in the module."""
+        raise NotImplementedError
+
+    def memory_tensors(self) -> tuple[list[Tensor | None], list[Tensor]]:
+        """(gradient tensors, fp32 master tensors) this rank holds, for memory accounting."""
+        raise NotImplementedError
+
+    def finish_grad_sync(self) -> None:
+        raise NotImplementedError
+
+    def _publish_params(self) -> None:
+        raise NotImplementedError
+
+    def _drop_local_grads(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ gradient flow
+    @property
+    def sync_state(self) -> SyncState:
+        return self._sync_state
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within it, backward accumulates gradients locally and communicates nothing."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _step_flags(self) -> tuple[bool, bool]:
+        """(any parameter got a gradient, any rank's gradient overflowed), agreed by all ranks.
+
+        One small all-reduce, on every rank, every step, so that all ranks take the same decision:
+        per-parameter "had a gradient" flags plus, with a loss scaler, one overflow flag. Raises when
+        only some parameters got a gradient: a flat shard cannot skip single parameters.
+        """
+        flags = torch.zeros(len(self._had_grad) + 1, dtype=torch.int32, device=self._device)
+        flags[:-1] = self._had_grad.to(self._device)
+        if self.loss_scaler is not None:
+            finite = all(bool(torch.isfinite(grad).all()) for grad in self._master_grads())
+            flags[-1] = 0 if finite else 1
+        self.collectives.all_reduce(flags, dist.ReduceOp.MAX)
+        flags = flags.cpu()
+        had_grad, overflow = flags[:-1], bool(flags[-1])
+        if not bool(had_grad.any()):
+            return False, False
+        if overflow:
+            return True, True
+        if not bool(had_grad.all()):
+            without = set((had_grad == 0).nonzero().flatten().tolist())
+            names = self._param_names()
+            missing = [names[index] for index in sorted(without)]
+            raise RuntimeError(
+                f"These parameters received no gradient on any rank since the last zero_grad: {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}. torch.optim would skip them, but ZeRO steps flat shards"
+                " and would apply momentum and weight decay to them anyway. Set requires_grad=False on parameters"
+                " that are not trained, or leave them out of the optimizer's param groups."
+            )
+        return True, False
+
+    # ------------------------------------------------------------------ step
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self._master_grads()), torch.zeros(0)).device
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Reduces, checks, unscales/clips and applies the update, then publishes the new parameters.
+
+        The step is skipped (parameters and optimizer state untouched) when no parameter got a
+        gradient, or, with a loss scaler, when any rank's gradient overflowed; ``last_step_skipped``
+        tells which happened last.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.finish_grad_sync()
+        had_grad, overflow = self._step_flags()
+        self.last_step_skipped = overflow
+        if overflow:
+            assert self.loss_scaler is not None
+            self.zero_grad()
+            self.loss_scaler.update(overflow=True)
+            return loss
+        if not had_grad:
+            return loss
+        self._apply_grad_coefficient()
+        with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups():
+            self.optimizer.step()
+        self._grad_coefficient = None
+        self._publish_params()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
+        return loss
+
+    def _grad_coefficient_now(self) -> Tensor | float:
+        if self._grad_coefficient is None:
+            return 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return self._grad_coefficient
+
+    def _apply_grad_coefficient(self) -> None:
+        """Unscales and clips the master gradients in one pass (nothing to do when the factor is 1)."""
+        coefficient = self._grad_coefficient_now()
+        if not isinstance(coefficient, Tensor) and coefficient == 1.0:
+            self._grad_coefficient = 1.0
+            return
+        with torch.profiler.record_function("zero::unscale_and_clip"):
+            for grad in self._master_grads():
+                grad.mul_(coefficient)
+        self._grad_coefficient = 1.0
+
+    @contextlib.contextmanager
+    def _masters_in_param_groups(self) -> Iterator[None]:
+        """Points each param group at this rank's master shards for the duration of the step.
+
+        Outside the step the groups list the model's own parameters, so Lightning's
+        toggle_optimizer and anything else reading ``param_groups`` sees the model.
+        """
+        for group, masters in zip(self.param_groups, self._group_masters()):
+            group["params"] = masters
+        try:
+            yield
+        finally:
+            for group, params in zip(self.param_groups, self._group_params):
+                group["params"] = params
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops every gradient: local buckets, reductions in flight and the master-gradient shards."""
+        with torch.no_grad():
+            self._drop_local_grads()
+            for grad in self._master_grads():
+                grad.zero_()
+        self._had_grad.zero_()
+        self._grad_coefficient = None
+        self._sync_state = SyncState.SYNCED
+
+    # ------------------------------------------------------------------ clipping
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Scales the gradients so their global norm over all ranks is at most ``max_norm``.
+
+        Returns the (unscaled) norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does. The
+        clip factor is folded into the unscale factor and applied in the step's single pass.
+        """
+        total = self.global_grad_norm(norm_type)
+        clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._grad_coefficient = self._grad_coefficient_now() * clip
+        return total
+
+    @torch.no_grad()
+    def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The norm of the full averaged, unscaled gradient, from every rank's shard (collective)."""
+        self.finish_grad_sync()
+        norm_type = float(norm_type)
+        grads = list(self._master_grads())
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros(())]).max()
+            local = local.to(self._device, torch.float32)
+            self.collectives.all_reduce(local, dist.ReduceOp.MAX)
+            norm = local
+        else:
+            local = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=self._device))
+            self.collectives.all_reduce(local, dist.ReduceOp.SUM)
+            norm = local.pow(1.0 / norm_type)
+        coefficient = self._grad_coefficient_now()
+        return norm * (coefficient.abs() if isinstance(coefficient, Tensor) else abs(coefficient))
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamps the unscaled gradients to [-clip_value, clip_value]."""
+        self.finish_grad_sync()
+        self._apply_grad_coefficient()
+        for grad in self._master_grads():
+            grad.clamp_(-clip_value, clip_value)
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The consolidated full state, on the rank that consolidate_state_dict() gathered it to."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                "ZeroOptimizer.state_dict() needs consolidate_state_dict() first, on every rank; the full state"
+                " is then available on the destination rank (0 by default)."
+            )
+        consolidated, self._consolidated = self._consolidated, None
+        return consolidated
+
+    def _param_indices(self) -> dict[nn.Parameter, int]:
+        index_of: dict[nn.Parameter, int] = {}
+        for params in self._group_params:
+            for param in params:
+                index_of[param] = len(index_of)
+        return index_of
+
+    # ------------------------------------------------------------------ teardown
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(stage={self.config.stage}, optimizer={self.optimizer!r})"
+
+
+
+class ZeroOptimizer(ShardedOptimizer):
     """Shards a torch optimizer's state and (stage 2) the gradients over a data-parallel group.
 
     ``param_groups`` and ``state`` are the wrapped optimizer's own objects, so LR schedulers and
@@ -107,39 +373,13 @@ class ZeroOptimizer(Optimizer):
             loss_scaler: for fp16: gradients arrive multiplied by its scale; steps whose gradients
                 overflow on any rank are skipped and reported to it.
         """
-        check_shardable(optimizer, config)
-        if any(optimizer.state.values()):
-            raise ValueError(
-                f"The {type(optimizer).__name__} handed to ZeRO already has optimizer state; ZeRO must shard it"
-                " before the first step. Build the optimizer in configure_optimizers and let the strategy set it up;"
-                " to resume, load the state through the checkpoint instead."
-            )
-        self.optimizer = optimizer
-        self.collectives = collectives
-        self.config = config
+        super().__init__(optimizer, collectives, config, loss_scaler)
         self.param_dtype = param_dtype
-        self.loss_scaler = loss_scaler
-        self.last_step_skipped = False
-        # true gradient = master_grad * coefficient; None means "1 / loss scale", decided when used.
-        self._grad_coefficient: Tensor | float | None = None
         self.buffers: list[list[FlatParamBuffer]] = []  # [param group][dtype]
-        self._sync_enabled = True
-        self._sync_state = SyncState.SYNCED
         self._slot_of: dict[nn.Parameter, tuple[FlatParamBuffer, Bucket, ParamSlot]] = {}
-        self._hook_handles: list[Any] = []
-        self._consolidated: dict[str, Any] | None = None
-        # Every parameter of every group as the user listed it, frozen ones included: the index
-        # space of torch's optimizer state_dict format.
-        self._group_params: list[list[nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
         self._init_buffers(module)
         self._init_hooks()
-        self._had_grad = torch.zeros(len(self._slot_of), dtype=torch.int32)
-        # Optimizer.__init__ sets up the hook registries torch expects on every optimizer; the
-        # groups and state it builds are then replaced by the wrapped optimizer's own.
-        super().__init__([master for group in self.buffers for master in (b.master for b in group)] or
-                         [torch.zeros(0)], dict(optimizer.defaults))
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
+        self._finish_init(len(self._slot_of))
 
     # ------------------------------------------------------------------ setup
     def _init_buffers(self, module: nn.Module) -> None:
@@ -196,19 +436,26 @@ class ZeroOptimizer(Optimizer):
         for group_buffers in self.buffers:
             yield from group_buffers
 
-    @property
-    def sync_state(self) -> SyncState:
-        return self._sync_state
+    def _master_grads(self) -> Iterator[Tensor]:
+        return (buffer.master_grad for buffer in self.flat_buffers)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Within it, backward accumulates gradients locally and communicates nothing."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
+    def _group_masters(self) -> list[list[Tensor]]:
+        return [[buffer.master for buffer in group_buffers] for group_buffers in self.buffers]
+
+    def _param_names(self) -> dict[int, str]:
+        return {slot.index: slot.name for _, _, slot in self._slot_of.values()}
+
+    def memory_tensors(self) -> tuple[list[Tensor | None], list[Tensor]]:
+        grads: list[Tensor | None] = [buffer.master_grad for buffer in self.flat_buffers]
+        grads += [bucket.grad_data for buffer in self.flat_buffers for bucket in buffer.buckets]
+        return grads, [buffer.master for buffer in self.flat_buffers]
+
+    def _drop_local_grads(self) -> None:
+        for buffer in self.flat_buffers:
+            for bucket in buffer.buckets:
+                bucket.reset()
+        for param in self._slot_of:
+            param.grad = None
 
     @torch.no_grad()
     def _on_grad_ready(self, param: Tensor) -> None:
@@ -242,160 +489,11 @@ class ZeroOptimizer(Optimizer):
                     bucket.finish_reduce()
         self._sync_state = SyncState.SYNCED
 
-    def _step_flags(self) -> tuple[bool, bool]:
-        """(any parameter got a gradient, any rank's gradient overflowed), agreed by all ranks.
-
-        One small all-reduce, on every rank, every step, so that all ranks take the same decision:
-        per-parameter "had a gradient" flags plus, with a loss scaler, one overflow flag. Raises when
-        only some parameters got a gradient: a flat shard cannot skip single parameters.
-        """
-        flags = torch.zeros(len(self._had_grad) + 1, dtype=torch.int32, device=self._device)
-        flags[:-1] = self._had_grad.to(self._device)
-        if self.loss_scaler is not None:
-            finite = all(bool(torch.isfinite(buffer.master_grad).all()) for buffer in self.flat_buffers)
-            flags[-1] = 0 if finite else 1
-        self.collectives.all_reduce(flags, dist.ReduceOp.MAX)
-        flags = flags.cpu()
-        had_grad, overflow = flags[:-1], bool(flags[-1])
-        if not bool(had_grad.any()):
-            return False, False
-        if overflow:
-            return True, True
-        if not bool(had_grad.all()):
-            without = set((had_grad == 0).nonzero().flatten().tolist())
-            missing = [slot.name for _, _, slot in self._slot_of.values() if slot.index in without]
-            raise RuntimeError(
-                f"These parameters received no gradient on any rank since the last zero_grad: {missing[:10]}"
-                f"{' ...' if len(missing) > 10 else ''}. torch.optim would skip them, but ZeRO steps flat shards"
-                " and would apply momentum and weight decay to them anyway. Set requires_grad=False on parameters"
-                " that are not trained, or leave them out of the optimizer's param groups."
-            )
-        return True, False
-
-    # ------------------------------------------------------------------ step
-    @property
-    def _device(self) -> torch.device:
-        return next(self.flat_buffers).master.device if self._slot_of else torch.device("cpu")
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Reduces, checks, unscales/clips and applies the update, then publishes the new parameters.
-
-        The step is skipped (parameters and optimizer state untouched) when no parameter got a
-        gradient, or, with a loss scaler, when any rank's gradient overflowed; ``last_step_skipped``
-        tells which happened last.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.finish_grad_sync()
-        had_grad, overflow = self._step_flags()
-        self.last_step_skipped = overflow
-        if overflow:
-            assert self.loss_scaler is not None
-            self.zero_grad()
-            self.loss_scaler.update(overflow=True)
-            return loss
-        if not had_grad:
-            return loss
-        self._apply_grad_coefficient()
-        with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups():
-            self.optimizer.step()
-        self._grad_coefficient = None
-        self._publish_params()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=False)
-        return loss
-
-    def _grad_coefficient_now(self) -> Tensor | float:
-        if self._grad_coefficient is None:
-            return 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        return self._grad_coefficient
-
-    def _apply_grad_coefficient(self) -> None:
-        """Unscales and clips the master gradients in one pass (nothing to do when the factor is 1)."""
-        coefficient = self._grad_coefficient_now()
-        if not isinstance(coefficient, Tensor) and coefficient == 1.0:
-            self._grad_coefficient = 1.0
-            return
-        with torch.profiler.record_function("zero::unscale_and_clip"):
-            for buffer in self.flat_buffers:
-                buffer.master_grad.mul_(coefficient)
-        self._grad_coefficient = 1.0
-
-    @contextlib.contextmanager
-    def _masters_in_param_groups(self) -> Iterator[None]:
-        """Points each param group at this rank's master shards for the duration of the step.
-
-        Outside the step the groups list the model's own parameters, so Lightning's
-        toggle_optimizer and anything else reading ``param_groups`` sees the model.
-        """
-        for group, group_buffers in zip(self.param_groups, self.buffers):
-            group["params"] = [buffer.master for buffer in group_buffers]
-        try:
-            yield
-        finally:
-            for group, params in zip(self.param_groups, self._group_params):
-                group["params"] = params
-
     def _publish_params(self) -> None:
         handles = [handle for buffer in self.flat_buffers for handle in buffer.start_all_gather(self.collectives)]
         with torch.profiler.record_function("zero::wait_all_gather"):
             for handle in handles:
                 handle.wait()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drops every gradient: local buckets, reductions in flight and the master-gradient shards."""
-        with torch.no_grad():
-            for buffer in self.flat_buffers:
-                for bucket in buffer.buckets:
-                    bucket.reset()
-                buffer.master_grad.zero_()
-            for param in self._slot_of:
-                param.grad = None
-        self._had_grad.zero_()
-        self._grad_coefficient = None
-        self._sync_state = SyncState.SYNCED
-
-    # ------------------------------------------------------------------ clipping
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Scales the gradients so their global norm over all ranks is at most ``max_norm``.
-
-        Returns the (unscaled) norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does. The
-        clip factor is folded into the unscale factor and applied in the step's single pass.
-        """
-        total = self.global_grad_norm(norm_type)
-        clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._grad_coefficient = self._grad_coefficient_now() * clip
-        return total
-
-    @torch.no_grad()
-    def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        """The norm of the full averaged, unscaled gradient, from every rank's shard (collective)."""
-        self.finish_grad_sync()
-        norm_type = float(norm_type)
-        grads = [buffer.master_grad for buffer in self.flat_buffers]
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros(())]).max()
-            local = local.to(self._device, torch.float32)
-            self.collectives.all_reduce(local, dist.ReduceOp.MAX)
-            norm = local
-        else:
-            local = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=self._device))
-            self.collectives.all_reduce(local, dist.ReduceOp.SUM)
-            norm = local.pow(1.0 / norm_type)
-        coefficient = self._grad_coefficient_now()
-        return norm * (coefficient.abs() if isinstance(coefficient, Tensor) else abs(coefficient))
-
-    @torch.no_grad()
-    def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamps the unscaled gradients to [-clip_value, clip_value]."""
-        self.finish_grad_sync()
-        self._apply_grad_coefficient()
-        for buffer in self.flat_buffers:
-            buffer.master_grad.clamp_(-clip_value, clip_value)
 
     # ------------------------------------------------------------------ state dict
     # [Note: full-format optimizer state]
@@ -433,16 +531,6 @@ class ZeroOptimizer(Optimizer):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({**hyper, "params": [index_of[p] for p in params]})
         self._consolidated = {"state": state, "param_groups": groups} if keep else None
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The consolidated full state, on the rank that consolidate_state_dict() gathered it to."""
-        if self._consolidated is None:
-            raise RuntimeError(
-                "ZeroOptimizer.state_dict() needs consolidate_state_dict() first, on every rank; the full state"
-                " is then available on the destination rank (0 by default)."
-            )
-        consolidated, self._consolidated = self._consolidated, None
-        return consolidated
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -522,26 +610,9 @@ class ZeroOptimizer(Optimizer):
             flat[start - slot.bucket_range.start : end - slot.bucket_range.start]
         )
 
-    def _param_indices(self) -> dict[nn.Parameter, int]:
-        index_of: dict[nn.Parameter, int] = {}
-        for params in self._group_params:
-            for param in params:
-                index_of[param] = len(index_of)
-        return index_of
-
-    # ------------------------------------------------------------------ teardown
-    def remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-
-    def __repr__(self) -> str:
-        return f"ZeroOptimizer(stage={self.config.stage}, optimizer={self.optimizer!r})"
-
-
 @contextlib.contextmanager
-def no_sync(optimizers: Sequence[ZeroOptimizer]) -> Iterator[None]:
-    """``ZeroOptimizer.no_sync`` for several optimizers at once."""
+def no_sync(optimizers: Sequence[ShardedOptimizer]) -> Iterator[None]:
+    """``ShardedOptimizer.no_sync`` for several optimizers at once."""
     with contextlib.ExitStack() as stack:
         for optimizer in optimizers:
             stack.enter_context(optimizer.no_sync())
