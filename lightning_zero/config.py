@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -39,6 +39,17 @@ class ZeroConfig:
             correct for optimizers whose update is elementwise (SGD, Adam, AdamW, ...). Known
             non-elementwise optimizers are always refused; set this to ``True`` to accept an
             optimizer class we do not know, once you have checked its update is elementwise.
+        unit_modules: stage 3: class names of the modules gathered as one unit each (e.g.
+            ``("Block",)`` for every transformer block). Empty: units are chosen by size.
+        min_unit_numel: stage 3, without ``unit_modules``: a module becomes a unit once the
+            parameters under it that no smaller unit took reach this many elements, so small
+            modules are grouped into their parent's unit.
+        param_persistence_threshold: stage 3: parameters with fewer elements stay whole on every
+            rank (no gather latency for biases and norms), at the cost of their full memory.
+        prefetch_units: stage 3: how many units ahead (in the order recorded on the first step)
+            are gathered while the current one computes, in forward and in backward.
+        prefetch_bytes: stage 3: prefetch by bytes instead: gather ahead while the units fit in
+            this many bytes. Overrides ``prefetch_units``.
     """
 
     stage: int = 2
@@ -46,17 +57,42 @@ class ZeroConfig:
     reduce_every_micro_step: bool = False
     reduce_dtype: str = "fp32"
     allow_unknown_optimizer: bool = False
+    unit_modules: tuple[str, ...] = ()
+    min_unit_numel: int = 1_000_000
+    param_persistence_threshold: int = 0
+    prefetch_units: int = 1
+    prefetch_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_type("stage", self.stage, int)
         if self.stage not in SUPPORTED_STAGES:
             raise ValueError(
-                f"ZeroConfig.stage={self.stage!r} is not supported: use 1 (optimizer state sharded) or 2"
-                " (optimizer state and gradients sharded)."
+                f"ZeroConfig.stage={self.stage!r} is not supported: use 1 (optimizer state sharded), 2"
+                " (optimizer state and gradients sharded) or 3 (parameters sharded too)."
             )
         _check_positive("reduce_bucket_size", self.reduce_bucket_size)
         _check_type("reduce_every_micro_step", self.reduce_every_micro_step, bool)
         _check_type("allow_unknown_optimizer", self.allow_unknown_optimizer, bool)
+        object.__setattr__(self, "unit_modules", tuple(self.unit_modules))  # YAML gives a list
+        if not all(isinstance(name, str) and name for name in self.unit_modules):
+            raise ValueError(f"ZeroConfig.unit_modules={self.unit_modules!r} must be module class names, e.g. ('Block',).")
+        _check_positive("min_unit_numel", self.min_unit_numel)
+        _check_type("param_persistence_threshold", self.param_persistence_threshold, int)
+        if self.param_persistence_threshold < 0:
+            raise ValueError(
+                f"ZeroConfig.param_persistence_threshold={self.param_persistence_threshold!r} must be >= 0"
+                " (0 shards every parameter)."
+            )
+        _check_type("prefetch_units", self.prefetch_units, int)
+        if self.prefetch_units < 0:
+            raise ValueError(f"ZeroConfig.prefetch_units={self.prefetch_units!r} must be >= 0 (0 turns prefetch off).")
+        if self.prefetch_bytes is not None:
+            _check_positive("prefetch_bytes", self.prefetch_bytes)
+        if self.stage != 3 and (self.unit_modules or self.param_persistence_threshold):
+            raise ValueError(
+                f"ZeroConfig.unit_modules / param_persistence_threshold apply to stage 3 only, but stage={self.stage}."
+                " Set stage=3 or drop them."
+            )
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(
                 f"ZeroConfig.reduce_dtype={self.reduce_dtype!r} is not one of {', '.join(map(repr, REDUCE_DTYPES))}."

@@ -46,6 +46,7 @@ from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.optimizer import ShardedOptimizer, ZeroOptimizer, no_sync
+from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class ZeroStrategy(ParallelStrategy):
         self._start_method = start_method
         self._collectives = collectives
         self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
+        self._engine: Zero3Engine | None = None
+        self._root_held = False
 
     # ------------------------------------------------------------------ precision
     @property
@@ -206,16 +209,56 @@ class ZeroStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        self.model_to_device()
-        if self.world_size > 1:
-            # Every rank must start from rank 0's weights, as with DDP.
-            _sync_module_states(self.model)
+        if self.config.stage == 3:
+            self._setup_stage3()
+        else:
+            self.model_to_device()
+            if self.world_size > 1:
+                # Every rank must start from rank 0's weights, as with DDP.
+                _sync_module_states(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             # Before the precision cast: the fp32 master shards are taken from the fp32 weights.
             self.setup_optimizers(trainer)
             self._skip_scheduler_steps_of_skipped_optimizer_steps()
         self.model = self.precision_plugin.convert_module(self.model)
         self.setup_precision_plugin()
+
+    def _setup_stage3(self) -> None:
+        """Shards the module's parameters: from real weights (rank 0's, like DDP), or, for a module
+        built on the meta device in ``configure_model``, one unit at a time so it is never whole."""
+        module = self.lightning_module
+        assert module is not None
+        precision = self.precision_plugin
+        assert isinstance(precision, ZeroPrecision)
+        on_meta = any(p.is_meta for p in module.parameters())
+        if on_meta:
+            _materialize_meta_buffers(module, self.root_device)
+        else:
+            self.model_to_device()
+            if self.world_size > 1:
+                _sync_module_states(module)
+        self._engine = Zero3Engine(
+            module,
+            self.collectives,
+            unit_classes=self.config.unit_modules,
+            min_unit_numel=self.config.min_unit_numel,
+            persistence_threshold=self.config.param_persistence_threshold,
+            prefetch_units=self.config.prefetch_units,
+            prefetch_bytes=self.config.prefetch_bytes,
+            param_dtype=precision.param_dtype,
+            grad_dtype=self.config.reduce_torch_dtype,
+            device=self.root_device,
+        )
+        if on_meta:
+            self._engine.materialize_and_shard(_reset_parameters)
+        else:
+            self._engine.shard()
+        self._engine.install_hooks()
+
+    @property
+    def engine(self) -> Zero3Engine | None:
+        """The stage-3 engine (``None`` at stages 1 and 2)."""
+        return self._engine
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -224,6 +267,12 @@ class ZeroStrategy(ParallelStrategy):
         _check_params_in_one_optimizer(self.optimizers)
         precision = self.precision_plugin
         assert isinstance(precision, ZeroPrecision)
+        if self._engine is not None:
+            self.optimizers = [
+                Zero3Optimizer(optimizer, self._engine, self.config, loss_scaler=precision.loss_scaler)
+                for optimizer in self.optimizers
+            ]
+            return
         self.optimizers = [
             ZeroOptimizer(
                 optimizer,
@@ -281,7 +330,91 @@ class ZeroStrategy(ParallelStrategy):
             zero_optimizer.finish_grad_sync()
             return result
 
-        return super().optimizer_step(zero_optimizer, closure_then_sync, model, **kwargs)
+        try:
+            return super().optimizer_step(zero_optimizer, closure_then_sync, model, **kwargs)
+        finally:
+            module = self.lightning_module
+            if module is None or module.automatic_optimization:
+                self._release_root()  # a step whose training_step returned no loss ran no backward
+                if self._engine is not None:
+                    self._engine.end_backward()
+
+    # ------------------------------------------------------------------ stage 3: the root unit
+    # Parameters outside every unit (the root unit) are gathered for the whole step and its
+    # backward: training_step may use them outside forward, and backward needs them again.
+    def _hold_root(self) -> None:
+        engine = self._engine
+        if engine is not None:
+            engine.check_parameters_unchanged()
+        if engine is not None and engine.root_unit is not None and not self._root_held:
+            engine.acquire(engine.root_unit)
+            self._root_held = True
+
+    def _release_root(self) -> None:
+        engine = self._engine
+        if engine is not None and engine.root_unit is not None and self._root_held:
+            self._root_held = False
+            engine.release(engine.root_unit)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._hold_root()
+        module = self.lightning_module
+        if module is None or module.automatic_optimization:
+            return super().training_step(*args, **kwargs)  # released after the closure's backward
+        # Manual optimization runs its backwards (and steps) inside training_step.
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._release_root()
+            if self._engine is not None:
+                self._engine.free_idle()
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._engine is None:
+            return
+        module = self.lightning_module
+        if module is None or module.automatic_optimization:
+            self._release_root()
+        self._engine.end_backward()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _root_gathered(self) -> Generator[None, None, None]:
+        self._hold_root()
+        try:
+            yield
+        finally:
+            self._release_root()
+            if self._engine is not None:
+                self._engine.free_idle()
+
+    @contextmanager
+    def gathered_params(self, writeback: bool = True) -> Generator[None, None, None]:
+        """Stage 3: every parameter whole for the duration, to read or modify (changes are kept).
+
+        A collective: call it on every rank. At stages 1 and 2 parameters are always whole.
+        """
+        if self._engine is None:
+            yield
+            return
+        with self._engine.gathered(writeback=writeback):
+            yield
 
     @contextmanager
     @override
@@ -319,6 +452,37 @@ class ZeroStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Stage 3 loads weights into the shards, which exist only after setup.
+        return self.config.stage == 3
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Stage 3: the whole weights, gathered unit by unit onto rank 0 (a collective)."""
+        if self._engine is None:
+            return super().lightning_module_state_dict()
+        return self._engine.full_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._engine.load_full_state_dict(dict(checkpoint["state_dict"]), strict=strict)
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: modules built in ``configure_model`` are created on the meta device and
+        materialized one unit at a time at setup (through each module's ``reset_parameters``)."""
+        if self.config.stage != 3:
+            yield
+            return
+        with torch.device("meta"):
+            yield
+
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self) -> ModelStateBytes:
         """This rank's bytes of parameters, gradients and optimizer state."""
@@ -340,6 +504,11 @@ class ZeroStrategy(ParallelStrategy):
         for optimizer in self.zero_optimizers:
             optimizer.remove_hooks()
         self._restore_lr_scheduler_step()
+        if self._engine is not None:
+            # Lightning hands the module back on the CPU; stage 3 gathers it unit by unit.
+            self._engine.remove_hooks()
+            self._engine.gather_to_cpu()
+            self._engine = None
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
@@ -347,7 +516,7 @@ class ZeroStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             strategy_registry.register(
                 f"zero{stage}",
                 cls,
@@ -389,3 +558,22 @@ def _check_params_in_one_optimizer(optimizers: list[Optimizer]) -> None:
                         " optimizer a disjoint set of parameters."
                     )
 
+
+def _materialize_meta_buffers(module: Module, device: torch.device) -> None:
+    """Allocates buffers left on the meta device; ``reset_parameters`` is expected to fill them."""
+    for submodule in module.modules():
+        for name, buffer in list(submodule._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                submodule._buffers[name] = torch.empty_like(buffer, device=device)
+
+
+def _reset_parameters(module: Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    elif any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(
+            f"{type(module).__name__} was built on the meta device (configure_model under ZeRO-3) but has no"
+            " reset_parameters() to initialize its parameters once they are allocated. Define"
+            f" {type(module).__name__}.reset_parameters(), or build the model outside configure_model."
+        )

@@ -97,3 +97,24 @@ def params_of(module: nn.Module) -> dict[str, Tensor]:
 def max_abs_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+class TiedGPT(TinyGPT):
+    """TinyGPT with two blocks and the head's weight tied to the embedding (as in GPT-2)."""
+
+    def __init__(self, width: int = 32, **kwargs: Any) -> None:
+        super().__init__(width=width, **kwargs)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=2 * width, dropout=0.0, batch_first=True,
+                                       bias=False)
+            for _ in range(2)
+        )
+        del self.block
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(self.norm(hidden))

@@ -59,7 +59,8 @@ def model_state_bytes(module: nn.Module, optimizers: Sequence[Optimizer]) -> Mod
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
         if isinstance(optimizer, ShardedOptimizer):
-            grad_tensors, master_tensors = optimizer.memory_tensors()
+            param_tensors, grad_tensors, master_tensors = optimizer.memory_tensors()
+            params.add(param_tensors)
             grads.add(grad_tensors)
             states.add(master_tensors)
         states.add(value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor))

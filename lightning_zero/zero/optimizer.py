@@ -142,8 +142,8 @@ class ShardedOptimizer(Optimizer):
         """Trainable-parameter index (as in ``_had_grad``) to its name in the module."""
         raise NotImplementedError
 
-    def memory_tensors(self) -> tuple[list[Tensor | None], list[Tensor]]:
-        """(gradient tensors, fp32 master tensors) this rank holds, for memory accounting."""
+    def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
+        """(parameter storage the layout owns, gradient tensors, fp32 master tensors) on this rank."""
         raise NotImplementedError
 
     def finish_grad_sync(self) -> None:
@@ -445,10 +445,10 @@ class ZeroOptimizer(ShardedOptimizer):
     def _param_names(self) -> dict[int, str]:
         return {slot.index: slot.name for _, _, slot in self._slot_of.values()}
 
-    def memory_tensors(self) -> tuple[list[Tensor | None], list[Tensor]]:
+    def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
         grads: list[Tensor | None] = [buffer.master_grad for buffer in self.flat_buffers]
         grads += [bucket.grad_data for buffer in self.flat_buffers for bucket in buffer.buckets]
-        return grads, [buffer.master for buffer in self.flat_buffers]
+        return [], grads, [buffer.master for buffer in self.flat_buffers]
 
     def _drop_local_grads(self) -> None:
         for buffer in self.flat_buffers:
@@ -535,25 +535,8 @@ class ZeroOptimizer(ShardedOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a full-format state (from any world size, or from plain torch.optim) into this rank's shards."""
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or "state" not in state_dict:
-            raise ValueError(
-                "Not an optimizer state_dict: expected the keys 'state' and 'param_groups' of torch's format,"
-                f" got {sorted(state_dict)}."
-            )
-        if len(groups) != len(self._group_params):
-            raise ValueError(
-                f"The optimizer state has {len(groups)} param groups but {type(self.optimizer).__name__} has"
-                f" {len(self._group_params)}: it comes from a different configure_optimizers()."
-            )
-        saved_index: dict[nn.Parameter, Any] = {}
-        for number, (saved, params) in enumerate(zip(groups, self._group_params)):
-            if len(saved["params"]) != len(params):
-                raise ValueError(
-                    f"Param group {number} has {len(saved['params'])} parameters in the optimizer state but"
-                    f" {len(params)} in this model: the state comes from a different model or optimizer setup."
-                )
-            saved_index.update(zip(params, saved["params"]))
+        saved_index = _check_full_optimizer_state(state_dict, self._group_params, type(self.optimizer).__name__)
+        groups = state_dict["param_groups"]
         saved_state: dict[Any, dict[str, Any]] = state_dict["state"]
         for group, saved in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -609,6 +592,32 @@ class ZeroOptimizer(ShardedOptimizer):
         shard[start - chunk_start : end - chunk_start].copy_(
             flat[start - slot.bucket_range.start : end - slot.bucket_range.start]
         )
+
+def _check_full_optimizer_state(
+    state_dict: dict[str, Any], group_params: list[list[nn.Parameter]], optimizer_name: str
+) -> dict[nn.Parameter, Any]:
+    """Checks a torch-format optimizer state against the param groups; maps each param to its saved index."""
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or "state" not in state_dict:
+        raise ValueError(
+            "Not an optimizer state_dict: expected the keys 'state' and 'param_groups' of torch's format,"
+            f" got {sorted(state_dict)}."
+        )
+    if len(groups) != len(group_params):
+        raise ValueError(
+            f"The optimizer state has {len(groups)} param groups but {optimizer_name} has"
+            f" {len(group_params)}: it comes from a different configure_optimizers()."
+        )
+    saved_index: dict[nn.Parameter, Any] = {}
+    for number, (saved, params) in enumerate(zip(groups, group_params)):
+        if len(saved["params"]) != len(params):
+            raise ValueError(
+                f"Param group {number} has {len(saved['params'])} parameters in the optimizer state but"
+                f" {len(params)} in this model: the state comes from a different model or optimizer setup."
+            )
+        saved_index.update(zip(params, saved["params"]))
+    return saved_index
+
 
 @contextlib.contextmanager
 def no_sync(optimizers: Sequence[ShardedOptimizer]) -> Iterator[None]:

@@ -1,0 +1,899 @@
+"""ZeRO stage 3: parameters sharded, gathered just in time per unit, freed right after.
+
+[Note: stage-3 layout]
+Each parameter is split into N equal pieces (padded): rank r keeps piece r. A *unit* (a module
+subtree, e.g. one transformer block) is the unit of communication: its rank-local shard is the
+concatenation of its parameters' pieces [S], one all-gather fills a rank-major buffer [N, S] that
+is copied out into the unit's full buffer [sum of padded numels], of which every parameter is a
+view. Freeing resizes that buffer's storage to zero: the parameters keep their shapes (so counts
+stay true) and the tensors autograd saved stay valid, because re-gathering fills the same
+storage (under ``_unsafe_preserve_version_counter``, as FSDP2 does).
+
+Gradients go the other way: each parameter's gradient is added into a rank-major buffer [N, S];
+when all of a unit's gradients of this backward have arrived, one reduce-scatter leaves this
+rank's pieces in the unit's fp32 master-gradient shard [S].
+
+[Note: stage-3 lifecycle]
+Forward: a unit's root module's pre-hook acquires it (gather, refcounted) and prefetches the next
+units in the recorded order; its post-hook releases it and registers a hook on its outputs that
+re-gathers the unit when backward reaches it. Backward: once every parameter of the unit has its
+gradient, the unit is reduced and freed. Parameters not under any unit form the root unit, held
+for the whole step (and its backward) by the strategy. A module that uses a parameter of another
+unit (tied weights) acquires that unit around its own forward and backward as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.loss_scaler import LossScaler
+from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
+from lightning_zero.zero.flat_buffer import Range, _round_up
+from lightning_zero.zero.optimizer import ShardedOptimizer, SyncState, _check_full_optimizer_state
+
+
+class UnitState(enum.Enum):
+    """Whether a unit's full parameters exist on this rank."""
+
+    SHARDED = "only this rank's shard is in memory; the full buffer has no storage"
+    GATHERING = "an all-gather into the full buffer is in flight (a prefetch)"
+    GATHERED = "the full parameters are materialized"
+
+
+@dataclass
+class ShardedParam:
+    """One parameter under stage 3 and where its pieces live."""
+
+    param: nn.Parameter
+    name: str
+    index: int  # among all parameters of the engine
+    numel: int
+    shard_numel: int  # elements of each rank's piece (padded)
+    full_range: Range  # "full" index space: the padded parameter inside the unit's full buffer
+    shard_range: Range  # "shard" index space: this rank's piece inside the unit's shard
+    unit: ShardedUnit
+
+    @property
+    def shard(self) -> Tensor:
+        return self.shard_range.slice(self.unit.shard)
+
+    @property
+    def master(self) -> Tensor:
+        return self.shard_range.slice(self.unit.master)
+
+    @property
+    def master_grad(self) -> Tensor:
+        return self.shard_range.slice(self.unit.master_grad)
+
+
+class ShardedUnit:
+    """A group of parameters gathered, reduced and freed together."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module | None,
+        named_params: list[tuple[str, nn.Parameter]],
+        first_index: int,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        persistent: bool,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.world_size = world_size
+        self.rank = rank
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.persistent = persistent
+        self.params: list[ShardedParam] = []
+        full_offset = shard_offset = 0
+        for position, (param_name, param) in enumerate(named_params):
+            shard_numel = _round_up(param.numel(), world_size) // world_size
+            self.params.append(
+                ShardedParam(
+                    param, param_name, first_index + position, param.numel(), shard_numel,
+                    Range(full_offset, full_offset + shard_numel * world_size),
+                    Range(shard_offset, shard_offset + shard_numel), self,
+                )
+            )
+            full_offset += shard_numel * world_size
+            shard_offset += shard_numel
+        self.shard_numel = shard_offset
+        self.shard = torch.zeros(shard_offset, dtype=param_dtype, device=device)
+        # fp32 parameters are their own master: no second copy of the shard.
+        self.master = self.shard if param_dtype == torch.float32 else torch.zeros(shard_offset, device=device)
+        self.master_grad = torch.zeros(shard_offset, dtype=torch.float32, device=device)
+        # The full buffer exists from the start with its final size but no storage: parameters can
+        # be views of it before any unit is allocated, so the model is never whole.
+        self.full = torch.empty(full_offset, dtype=param_dtype, device=device)
+        self.full.untyped_storage().resize_(0)
+        self.grad_data: Tensor | None = None  # [N * S] rank-major, only while gradients accumulate
+        self.state = UnitState.SHARDED
+        self.refcount = 0
+        self.ready = 0
+        self.trainable_count = len(self.params)
+        self.reducing = False
+        self._gather_out: Tensor | None = None
+        self._gather_handle: Handle | None = None
+        self._reduce_out: Tensor | None = None
+        self._reduce_handle: Handle | None = None
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+    # ------------------------------------------------------------------ set-up
+    def take_shards_from_params(self) -> None:
+        """Copies each parameter's current (full, real) value into its piece and the master, then
+        points the parameter at the unit's full buffer (left allocated: the caller frees it)."""
+        self._resize_full(self.full.numel())
+        self.state = UnitState.GATHERED
+        with torch.no_grad():
+            for sp in self.params:
+                values = sp.param.detach().reshape(-1)
+                padded = torch.zeros(sp.full_range.size, dtype=torch.float32, device=self.shard.device)
+                padded[: sp.numel].copy_(values)
+                piece = padded[self.rank * sp.shard_numel : (self.rank + 1) * sp.shard_numel]
+                sp.shard.copy_(piece)
+                if self.master is not self.shard:
+                    sp.master.copy_(piece)
+                sp.full_range.slice(self.full).copy_(padded)
+            for sp in self.params:
+                sp.param.data = sp.full_range.slice(self.full)[: sp.numel].view_as(sp.param)
+
+    def allocate(self) -> None:
+        """Gives the full buffer its storage (contents undefined): for initializing in place."""
+        self._resize_full(self.full.numel())
+        self.state = UnitState.GATHERED
+
+    def view_of(self, sp: ShardedParam) -> Tensor:
+        return sp.full_range.slice(self.full)[: sp.numel].view(sp.param.shape)
+
+    # ------------------------------------------------------------------ gather / free
+    def start_gather(self, collectives: Collectives | CountingCollectives) -> None:
+        if self.state is not UnitState.SHARDED:
+            return
+        self._gather_out = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype,
+                                       device=self.shard.device)
+        with torch.profiler.record_function("zero3::all_gather"):
+            self._gather_handle = collectives.all_gather(self._gather_out, self.shard)
+        self.state = UnitState.GATHERING
+
+    @torch.no_grad()
+    def finish_gather(self) -> None:
+        if self.state is not UnitState.GATHERING:
+            return
+        assert self._gather_handle is not None and self._gather_out is not None
+        with torch.profiler.record_function("zero3::wait_all_gather"):
+            self._gather_handle.wait()
+        self._resize_full(self.full.numel())
+        by_rank = self._gather_out.view(self.world_size, self.shard_numel)
+        # Autograd saved views of this buffer in forward: refilling it is not a modification.
+        with torch.autograd._unsafe_preserve_version_counter(self.full):
+            for sp in self.params:
+                sp.full_range.slice(self.full).view(self.world_size, sp.shard_numel).copy_(
+                    by_rank[:, sp.shard_range.start : sp.shard_range.end]
+                )
+        self._gather_out = None
+        self._gather_handle = None
+        self.state = UnitState.GATHERED
+
+    def free(self) -> None:
+        if self.persistent or self.state is UnitState.SHARDED:
+            return
+        if self.state is UnitState.GATHERING:
+            self.finish_gather()
+        self._resize_full(0)
+        self.state = UnitState.SHARDED
+
+    def _resize_full(self, numel: int) -> None:
+        storage = self.full.untyped_storage()
+        nbytes = numel * self.full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    # ------------------------------------------------------------------ gradients
+    @torch.no_grad()
+    def accumulate(self, sp: ShardedParam, grad: Tensor) -> None:
+        if self.reducing:
+            self.finish_reduce()  # the previous micro-step's reduction lands first
+        if self.grad_data is None:
+            self.grad_data = torch.zeros(self.world_size * self.shard_numel, dtype=self.grad_dtype,
+                                         device=self.shard.device)
+        by_rank = self.grad_data.view(self.world_size, self.shard_numel)
+        padded = torch.zeros(sp.full_range.size, dtype=self.grad_dtype, device=grad.device)
+        padded[: sp.numel].copy_(grad.reshape(-1))
+        by_rank[:, sp.shard_range.start : sp.shard_range.end].add_(padded.view(self.world_size, sp.shard_numel))
+
+    def start_reduce(self, collectives: Collectives | CountingCollectives) -> None:
+        if self.grad_data is None or self.reducing:
+            return
+        self.grad_data.div_(self.world_size)
+        self._reduce_out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.shard.device)
+        with torch.profiler.record_function("zero3::reduce_scatter"):
+            self._reduce_handle = collectives.reduce_scatter(self._reduce_out, self.grad_data)
+        self.reducing = True
+        self.ready = 0
+
+    @torch.no_grad()
+    def finish_reduce(self) -> None:
+        if not self.reducing:
+            return
+        assert self._reduce_handle is not None and self._reduce_out is not None
+        with torch.profiler.record_function("zero3::wait_reduce_scatter"):
+            self._reduce_handle.wait()
+        self.master_grad.add_(self._reduce_out)
+        self._reduce_out = None
+        self._reduce_handle = None
+        self.grad_data = None
+        self.reducing = False
+
+    def drop_grads(self) -> None:
+        if self._reduce_handle is not None:
+            self._reduce_handle.wait()
+        self._reduce_handle = None
+        self._reduce_out = None
+        self.grad_data = None
+        self.reducing = False
+        self.ready = 0
+
+    @torch.no_grad()
+    def publish_master(self, params: Sequence[ShardedParam]) -> None:
+        """After a step: the updated master pieces become the parameter shard."""
+        if self.master is not self.shard:
+            for sp in params:
+                sp.shard.copy_(sp.master)
+
+
+class Zero3Engine:
+    """Shards a module's parameters into units and moves them in and out as the module runs."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        collectives: Collectives | CountingCollectives,
+        unit_classes: Sequence[str],
+        min_unit_numel: int,
+        persistence_threshold: int,
+        prefetch_units: int,
+        prefetch_bytes: int | None,
+        param_dtype: torch.dtype | None,
+        grad_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.collectives = collectives
+        self.prefetch_units = prefetch_units
+        self.prefetch_bytes = prefetch_bytes
+        self.device = device
+        self.units: list[ShardedUnit] = []
+        self.sharded_params: dict[nn.Parameter, ShardedParam] = {}
+        self.sync_enabled = True
+        self.peak_param_bytes = 0
+        self._forward_order: list[ShardedUnit] = []
+        self._backward_order: list[ShardedUnit] = []
+        self._recording = True
+        # The last gather of a training forward (by call count, recorded on the first step).
+        self._forward_calls = 0
+        self._forward_tail_call = -1
+        self._call_stack: list[int] = []
+        self._backward_held: set[ShardedUnit] = set()
+        self._grad_listeners: list[Callable[[ShardedParam], None]] = []
+        self._hook_handles: list[Any] = []
+        self._check_dtypes(module, param_dtype)
+        self._init_units(module, unit_classes, min_unit_numel, persistence_threshold, param_dtype, grad_dtype)
+        self._replace_meta_params()
+        self.root_unit = next((u for u in self.units if u.module is module), None)
+        self._registrations: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+        self.record_registrations()
+
+    def record_registrations(self) -> None:
+        """Remembers which parameter object each module holds, to detect replacements later."""
+        module = self.module
+        self._registrations = [
+            (prefix, submodule, name, param)
+            for prefix, submodule in module.named_modules()
+            for name, param in submodule.named_parameters(recurse=False)
+        ]
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _check_dtypes(module: nn.Module, param_dtype: torch.dtype | None) -> None:
+        dtypes = {p.dtype for p in module.parameters()}
+        non_float = [n for n, p in module.named_parameters() if not p.is_floating_point()]
+        if non_float:
+            raise ValueError(f"ZeRO-3 shards floating-point parameters only; these are not: {non_float[:5]}.")
+        if param_dtype is None and len(dtypes) > 1:
+            raise ValueError(
+                f"ZeRO-3 needs the module's parameters in one dtype, found {sorted(map(str, dtypes))}; cast the"
+                " module (e.g. module.float()) or choose a precision, which casts them."
+            )
+
+    def _init_units(
+        self,
+        module: nn.Module,
+        unit_classes: Sequence[str],
+        min_unit_numel: int,
+        persistence_threshold: int,
+        param_dtype: torch.dtype | None,
+        grad_dtype: torch.dtype,
+    ) -> None:
+        owner_of: dict[nn.Parameter, tuple[str, nn.Module]] = {}
+        unit_modules = _choose_unit_modules(module, unit_classes, min_unit_numel)
+        # Each parameter belongs to the innermost unit module that registers it first.
+        for prefix, submodule in module.named_modules():
+            unit_prefix = max((p for p in unit_modules if prefix == p or prefix.startswith(p + ".") or p == ""),
+                              key=len)
+            for name, param in submodule.named_parameters(recurse=False):
+                if param not in owner_of:
+                    owner_of[param] = (unit_prefix, unit_modules[unit_prefix])
+        names = {p: n for n, p in module.named_parameters()}
+        groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        persistent: list[tuple[str, nn.Parameter]] = []
+        for param, (unit_prefix, _) in owner_of.items():
+            entry = (names[param], param)
+            if param.numel() < persistence_threshold:
+                persistent.append(entry)
+            else:
+                groups.setdefault(unit_prefix, []).append(entry)
+        dtype = param_dtype or next(module.parameters()).dtype
+        world, rank = self.collectives.world_size, self.collectives.rank
+        index = 0
+        for unit_prefix, entries in groups.items():
+            unit = ShardedUnit(unit_prefix or "<root>", unit_modules[unit_prefix], entries, index, world, rank,
+                               self.device, dtype, grad_dtype, persistent=False)
+            self.units.append(unit)
+            index += len(entries)
+        if persistent:
+            self.units.append(ShardedUnit("<persistent>", None, persistent, index, world, rank, self.device, dtype,
+                                          grad_dtype, persistent=True))
+        for unit in self.units:
+            for sp in unit.params:
+                self.sharded_params[sp.param] = sp
+
+    def _replace_meta_params(self) -> None:
+        """Meta parameters cannot take real data through ``.data``; each is replaced (in every
+        module that registers it, so ties survive) by a parameter viewing its unit's full buffer.
+        Only possible before an optimizer holds them, which is when the strategy builds the engine."""
+        replaced: dict[nn.Parameter, nn.Parameter] = {}
+        for unit in self.units:
+            if not any(sp.param.is_meta for sp in unit.params):
+                continue
+            unit.allocate()  # views can only be cut from an allocated buffer; freed right after
+            for sp in unit.params:
+                if sp.param.is_meta:
+                    new = nn.Parameter(unit.view_of(sp), requires_grad=sp.param.requires_grad)
+                    replaced[sp.param] = new
+                    sp.param = new
+            unit.free()
+        if not replaced:
+            return
+        for submodule in self.module.modules():
+            for name, param in list(submodule._parameters.items()):
+                if param is not None and param in replaced:
+                    submodule._parameters[name] = replaced[param]
+        self.sharded_params = {sp.param: sp for unit in self.units for sp in unit.params}
+
+    def shard(self) -> None:
+        """Takes this rank's pieces of the (real, whole) parameters and frees the rest, unit by unit."""
+        for unit in self.units:
+            unit.take_shards_from_params()
+            unit.free()
+        self._track_memory()
+
+    def materialize_and_shard(self, init: Callable[[nn.Module], None]) -> None:
+        """For parameters on the meta device: modules are initialized one at a time by ``init``
+        (in registration order, as ``module.apply`` would), with only the units owning that module's
+        parameters allocated; a unit is cut down to this rank's pieces as soon as all its modules
+        are done. The full model never exists on any rank."""
+        modules = [m for m in self.module.modules() if any(True for _ in m.parameters(recurse=False))]
+        pending: dict[ShardedUnit, set[int]] = {unit: set() for unit in self.units}
+        for submodule in modules:
+            for param in submodule.parameters(recurse=False):
+                pending[self.sharded_params[param].unit].add(id(submodule))
+        touched: set[ShardedUnit] = set()
+        for submodule in modules:
+            needed = list(dict.fromkeys(self.sharded_params[p].unit for p in submodule.parameters(recurse=False)))
+            for unit in needed:
+                if unit not in touched:
+                    unit.allocate()
+                    touched.add(unit)
+                else:
+                    self._gather(unit, order=None)  # already cut: a tied weight written again
+            init(submodule)
+            for unit in needed:
+                pending[unit].discard(id(submodule))
+                if not pending[unit]:
+                    unit.take_shards_from_params()
+                    if unit.persistent and self.collectives.world_size > 1:
+                        self.collectives.broadcast(unit.full, 0)  # whole on every rank: must agree
+                        unit.take_shards_from_params()
+                    unit.free()
+                    self._track_memory()
+
+    def install_hooks(self) -> None:
+        for unit in self.units:
+            if unit.module is not None and unit is not self.root_unit:
+                self._hook_handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+                self._hook_handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        # Modules that use a parameter owned by another unit (tied weights) hold that unit too.
+        for prefix, submodule in self.module.named_modules():
+            foreign = {self.sharded_params[p].unit for p in submodule.parameters(recurse=False)
+                       if p in self.sharded_params} - {self._enclosing_unit(prefix)}
+            for unit in foreign:
+                if unit.persistent or unit is self.root_unit:
+                    continue
+                self._hook_handles.append(submodule.register_forward_pre_hook(self._make_pre_forward(unit, False)))
+                self._hook_handles.append(submodule.register_forward_hook(self._make_post_forward(unit)))
+        for unit in self.units:
+            unit.trainable_count = sum(1 for sp in unit.params if sp.param.requires_grad)
+        for sp in self.sharded_params.values():
+            if sp.param.requires_grad:
+                self._hook_handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _enclosing_unit(self, prefix: str) -> ShardedUnit | None:
+        best: ShardedUnit | None = None
+        best_len = -1
+        for unit in self.units:
+            if unit.module is None:
+                continue
+            unit_prefix = "" if unit is self.root_unit else unit.name
+            if (prefix == unit_prefix or prefix.startswith(unit_prefix + ".") or unit_prefix == "") and len(unit_prefix) > best_len:
+                best, best_len = unit, len(unit_prefix)
+        return best
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    # ------------------------------------------------------------------ forward / backward hooks
+    def check_parameters_unchanged(self) -> None:
+        """Raises if a module's parameter was replaced after sharding (its new value would be ignored)."""
+        for prefix, submodule, name, param in self._registrations:
+            if submodule._parameters.get(name) is not param:
+                raise RuntimeError(
+                    f"Parameter '{prefix + '.' if prefix else ''}{name}' was replaced after ZeRO-3 sharded the model,"
+                    " so the optimizer and the gathers would ignore it. Create parameters in __init__ or"
+                    " configure_model; to change their values, assign under"
+                    " `with trainer.strategy.gathered_params():` (e.g. param.copy_(new_value))."
+                )
+
+    def _make_pre_forward(self, unit: ShardedUnit, prefetch: bool = True) -> Callable[..., None]:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled():
+                self._forward_calls += 1
+                self._call_stack.append(self._forward_calls)
+                if self._recording:
+                    self._forward_tail_call = self._forward_calls
+            self.acquire(unit, order=self._forward_order if prefetch else None)
+
+        return pre_forward
+
+    def _make_post_forward(self, unit: ShardedUnit) -> Callable[..., Any]:
+        def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+            call = self._call_stack.pop() if torch.is_grad_enabled() and self._call_stack else None
+            if (call is not None and not self._recording and call == self._forward_tail_call
+                    and unit.refcount == 1 and unit not in self._backward_held):
+                # The last unit of forward is the first of backward: keep it rather than free and
+                # re-gather it at once (the hold passes to backward).
+                self._backward_held.add(unit)
+            else:
+                self.release(unit)
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads: self._pre_backward(unit), mode="any"
+                    )
+            return output
+
+        return post_forward
+
+    def _pre_backward(self, unit: ShardedUnit) -> None:
+        if unit not in self._backward_held:
+            self._backward_held.add(unit)
+            unit.refcount += 1
+            self._gather(unit, order=self._backward_order)
+
+    def acquire(self, unit: ShardedUnit, order: list[ShardedUnit] | None = None) -> None:
+        unit.refcount += 1
+        self._gather(unit, order)
+
+    def release(self, unit: ShardedUnit) -> None:
+        unit.refcount -= 1
+        if unit.refcount <= 0:
+            unit.refcount = 0
+            unit.free()
+
+    def _gather(self, unit: ShardedUnit, order: list[ShardedUnit] | None) -> None:
+        if order is not None and self._recording and unit not in order:
+            order.append(unit)
+        unit.start_gather(self.collectives)
+        if order is not None:
+            self._prefetch_after(unit, order)
+        unit.finish_gather()
+        self._track_memory()
+
+    def _prefetch_after(self, unit: ShardedUnit, order: list[ShardedUnit]) -> None:
+        if self._recording or unit not in order:
+            return
+        budget = self.prefetch_bytes
+        ahead = 0
+        for candidate in order[order.index(unit) + 1 :]:
+            if budget is not None:
+                if candidate.full_bytes > budget:
+                    break
+                budget -= candidate.full_bytes
+            elif ahead >= self.prefetch_units:
+                break
+            candidate.start_gather(self.collectives)
+            ahead += 1
+
+    def _track_memory(self) -> None:
+        live = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+        live += sum(u.full.untyped_storage().nbytes() for u in self.units)
+        self.peak_param_bytes = max(self.peak_param_bytes, live)
+
+    # ------------------------------------------------------------------ gradients
+    def add_grad_listener(self, listener: Callable[[ShardedParam], None]) -> None:
+        self._grad_listeners.append(listener)
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: Tensor) -> None:
+        if param.grad is None:
+            return
+        sp = self.sharded_params[param]  # type: ignore[index]
+        unit = sp.unit
+        unit.accumulate(sp, param.grad)
+        param.grad = None
+        for listener in self._grad_listeners:
+            listener(sp)
+        unit.ready += 1
+        if unit.ready == unit.trainable_count:
+            if self.sync_enabled:
+                unit.start_reduce(self.collectives)
+            unit.ready = 0
+            self._done_with_backward(unit)
+
+    def _done_with_backward(self, unit: ShardedUnit) -> None:
+        if unit in self._backward_held:
+            self._backward_held.discard(unit)
+            self.release(unit)
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Reduces what backward left (in unit order, the same on every rank) and waits for all."""
+        if self.sync_enabled:
+            for unit in self.units:
+                if unit.grad_data is not None and not unit.reducing:
+                    unit.start_reduce(self.collectives)
+            for unit in self.units:
+                unit.finish_reduce()
+        self.end_backward()
+
+    def end_backward(self) -> None:
+        """Frees whatever backward still holds (units with parameters that got no gradient)."""
+        for unit in list(self._backward_held):
+            self._done_with_backward(unit)
+        if self._forward_order or self._backward_order:
+            self._recording = False
+        self._forward_calls = 0
+        self._call_stack.clear()
+        self.free_idle()
+
+    def free_idle(self) -> None:
+        """Frees units nobody holds, e.g. prefetched ones the step did not use."""
+        for unit in self.units:
+            if unit.refcount == 0:
+                unit.free()
+
+    @torch.no_grad()
+    def refresh_gathered(self) -> None:
+        """After a step: units whose full parameters are in memory re-gather the updated shards."""
+        for unit in self.units:
+            if unit.state is UnitState.GATHERED:
+                unit.state = UnitState.SHARDED  # the storage stays; only its contents are refreshed
+                unit.start_gather(self.collectives)
+                unit.finish_gather()
+
+    @torch.no_grad()
+    def gather_to_cpu(self) -> None:
+        """Gives every parameter its own whole CPU tensor, unit by unit (used at teardown)."""
+        for unit in self.units:
+            self.acquire(unit)
+            for sp in unit.params:
+                sp.param.data = sp.param.detach().to("cpu", copy=True)
+            unit.refcount = 0
+            unit.persistent = False
+            unit.free()
+
+    # ------------------------------------------------------------------ whole parameters on demand
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = True) -> Iterator[None]:
+        """All units gathered, for reading or modifying full parameters; changes are kept."""
+        for unit in self.units:
+            self.acquire(unit)
+        try:
+            yield
+        finally:
+            if writeback:
+                for unit in self.units:
+                    unit.take_shards_from_params()
+            for unit in self.units:
+                self.release(unit)
+
+    @torch.no_grad()
+    def full_state_dict(self, to: int = 0) -> dict[str, Tensor]:
+        """The module's state dict with whole parameters, on rank ``to`` (CPU); others get {}.
+
+        A collective: units are gathered one at a time, so no rank holds the whole model on the device.
+        """
+        keep = self.collectives.rank == to
+        names = {sp.param: sp.name for sp in self.sharded_params.values()}
+        result: dict[str, Tensor] = {}
+        for unit in self.units:
+            self.acquire(unit)
+            if keep:
+                for sp in unit.params:
+                    result[names[sp.param]] = sp.param.detach().cpu().clone()
+            self.release(unit)
+        if not keep:
+            return {}
+        state = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if isinstance(value, nn.Parameter) and value in names:
+                state[key] = result[names[value]]
+            else:
+                state[key] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
+        return state
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Loads whole parameters (and buffers) into this rank's pieces; every rank passes the same dict."""
+        param_keys = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if isinstance(value, nn.Parameter) and value in self.sharded_params:
+                param_keys[self.sharded_params[value].param] = key
+        missing = [k for k in param_keys.values() if k not in state]
+        unexpected = [k for k in state if k not in self.module.state_dict(keep_vars=True)]
+        if strict and (missing or unexpected):
+            raise KeyError(f"State dict does not match the model: missing keys {missing[:10]}, unexpected keys"
+                           f" {unexpected[:10]}. Load a checkpoint of this model, or pass strict=False.")
+        for unit in self.units:
+            for sp in unit.params:
+                key = param_keys.get(sp.param)
+                if key is None or key not in state:
+                    continue
+                value = state[key]
+                if tuple(value.shape) != tuple(sp.param.shape):
+                    raise ValueError(f"'{key}' has shape {tuple(value.shape)} in the state dict but"
+                                     f" {tuple(sp.param.shape)} in the model.")
+                padded = torch.zeros(sp.full_range.size, dtype=torch.float32, device=unit.shard.device)
+                padded[: sp.numel].copy_(value.reshape(-1))
+                piece = padded[unit.rank * sp.shard_numel : (unit.rank + 1) * sp.shard_numel]
+                sp.shard.copy_(piece)
+                if unit.master is not unit.shard:
+                    sp.master.copy_(piece)
+                if unit.state is UnitState.GATHERED:
+                    sp.full_range.slice(unit.full).copy_(padded)
+        buffers = {k: v for k, v in state.items() if k not in param_keys.values()}
+        for key, buffer in self.module.named_buffers():
+            if key in buffers:
+                buffer.copy_(buffers[key])
+
+
+def _choose_unit_modules(module: nn.Module, unit_classes: Sequence[str], min_unit_numel: int) -> dict[str, nn.Module | None]:
+    """Module prefixes that become units ("" is the root, always a unit).
+
+    With ``unit_classes``, every module of those classes is a unit. Otherwise modules are chosen
+    bottom-up among the root's children and the elements of containers (ModuleList, Sequential,
+    ModuleDict), the modules a forward calls as a whole: a module nested deeper may have its
+    parameters read by its parent without its own forward running (e.g. MultiheadAttention's
+    out_proj), so no hook of its own would gather them. A candidate becomes a unit once the
+    parameters under it that no smaller unit took reach ``min_unit_numel``; small modules are
+    grouped into their parent's unit.
+    """
+    units: dict[str, nn.Module | None] = {"": module}
+    if unit_classes:
+        wanted = set(unit_classes)
+        for prefix, submodule in module.named_modules():
+            if prefix and type(submodule).__name__ in wanted:
+                units[prefix] = submodule
+        present = {type(m).__name__ for m in units.values() if m is not module}
+        if wanted - present:
+            classes = sorted({type(m).__name__ for m in module.modules()})
+            raise ValueError(
+                f"ZeroConfig.unit_modules names {sorted(wanted - present)}, but the model has no module of that"
+                f" class. Its module classes are: {classes}."
+            )
+        return units
+    taken: set[int] = set()
+    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+    def visit(prefix: str, submodule: nn.Module, eligible: bool) -> int:
+        free = 0
+        for child_name, child in submodule.named_children():
+            child_eligible = submodule is module or isinstance(submodule, containers)
+            free += visit(f"{prefix}.{child_name}" if prefix else child_name, child, child_eligible)
+        for param in submodule.parameters(recurse=False):
+            if id(param) not in taken:
+                taken.add(id(param))
+                free += param.numel()
+        if prefix and eligible and free >= min_unit_numel:
+            units[prefix] = submodule
+            return 0
+        return free
+
+    visit("", module, False)
+    return units
+
+
+class Zero3Optimizer(ShardedOptimizer):
+    """Steps a torch optimizer over this rank's pieces of every stage-3 parameter.
+
+    The wrapped optimizer sees one fp32 master tensor per parameter (this rank's piece, a view
+    into its unit's master shard), so param groups need no relation to the unit layout.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        engine: Zero3Engine,
+        config: ZeroConfig,
+        loss_scaler: LossScaler | None = None,
+    ) -> None:
+        super().__init__(optimizer, engine.collectives, config, loss_scaler)
+        self.engine = engine
+        self.groups: list[list[ShardedParam]] = []
+        self._master_of: dict[int, tuple[Tensor, Tensor]] = {}  # id(ShardedParam) -> (master, grad)
+        self._local_index: dict[int, int] = {}
+        for number, group in enumerate(optimizer.param_groups):
+            members = []
+            for param in group["params"]:
+                sp = engine.sharded_params.get(param)
+                if sp is None:
+                    raise ValueError(
+                        f"Param group {number} of {type(optimizer).__name__} holds a parameter of shape"
+                        f" {tuple(param.shape)} that is not a parameter of the LightningModule; ZeRO can only"
+                        " shard the module's own parameters. Build the optimizer from self.parameters()."
+                    )
+                if not param.requires_grad:
+                    continue
+                master, grad = sp.master, sp.master_grad
+                master.grad = grad
+                self._master_of[id(sp)] = (master, grad)
+                self._local_index[id(sp)] = len(self._local_index)
+                members.append(sp)
+            self.groups.append(members)
+        self._units = list(dict.fromkeys(sp.unit for members in self.groups for sp in members))
+        engine.add_grad_listener(self._on_grad)
+        self._finish_init(len(self._local_index))
+
+    @property
+    def params(self) -> Iterator[ShardedParam]:
+        for members in self.groups:
+            yield from members
+
+    def _on_grad(self, sp: ShardedParam) -> None:
+        index = self._local_index.get(id(sp))
+        if index is not None:
+            self._had_grad[index] = 1
+            self._sync_state = SyncState.PENDING
+
+    # ------------------------------------------------------------------ layout
+    def _master_grads(self) -> Iterator[Tensor]:
+        return (self._master_of[id(sp)][1] for sp in self.params)
+
+    def _group_masters(self) -> list[list[Tensor]]:
+        return [[self._master_of[id(sp)][0] for sp in members] for members in self.groups]
+
+    def _param_names(self) -> dict[int, str]:
+        return {self._local_index[id(sp)]: sp.name for sp in self.params}
+
+    def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
+        grads: list[Tensor | None] = [unit.master_grad for unit in self._units]
+        grads += [unit.grad_data for unit in self._units]
+        params = [unit.shard for unit in self.engine.units]
+        return params, grads, [unit.master for unit in self._units if unit.master is not unit.shard]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.engine.sync_enabled
+        self.engine.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.engine.sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        if self._sync_state is SyncState.SYNCED:
+            return
+        with torch.profiler.record_function("zero3::finish_grad_sync"):
+            self.engine.finish_grad_sync()
+        self._sync_state = SyncState.SYNCED
+
+    def _publish_params(self) -> None:
+        with torch.no_grad():
+            for unit in self._units:
+                unit.publish_master([sp for sp in self.params if sp.unit is unit])
+        self.engine.refresh_gathered()
+
+    def _drop_local_grads(self) -> None:
+        for unit in self._units:
+            unit.drop_grads()
+        for sp in self.params:
+            sp.param.grad = None
+
+    # ------------------------------------------------------------------ state dict
+    @torch.no_grad()
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the full optimizer state, in torch's format, onto rank ``to`` (collective)."""
+        keep = self.collectives.rank == to
+        index_of = self._param_indices()
+        state: dict[int, dict[str, Any]] = {}
+        for sp in self.params:
+            master = self._master_of[id(sp)][0]
+            entry: dict[str, Any] = {}
+            for key, value in sorted(self.optimizer.state.get(master, {}).items()):
+                if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == sp.shard_numel:
+                    full = torch.empty(sp.shard_numel * self.collectives.world_size, dtype=value.dtype,
+                                       device=value.device)
+                    self.collectives.all_gather(full, value.contiguous()).wait()
+                    value = full[: sp.numel].view(sp.param.shape).cpu()
+                elif isinstance(value, Tensor):
+                    value = value.clone()
+                entry[key] = value
+            if keep and entry:
+                state[index_of[sp.param]] = entry
+        groups = []
+        for group, params in zip(self.param_groups, self._group_params):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": [index_of[p] for p in params]})
+        self._consolidated = {"state": state, "param_groups": groups} if keep else None
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        saved_index = _check_full_optimizer_state(state_dict, self._group_params, type(self.optimizer).__name__)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.optimizer.state.clear()
+        rank = self.collectives.rank
+        for sp in self.params:
+            saved = state_dict["state"].get(saved_index[sp.param])
+            if not saved:
+                continue
+            master = self._master_of[id(sp)][0]
+            entry: dict[str, Any] = {}
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    if tuple(value.shape) != tuple(sp.param.shape):
+                        raise ValueError(
+                            f"Optimizer state '{key}' of parameter '{sp.name}' has shape {tuple(value.shape)}, but the"
+                            f" parameter has shape {tuple(sp.param.shape)}: the state comes from a different model."
+                        )
+                    padded = torch.zeros(sp.full_range.size, dtype=value.dtype, device=master.device)
+                    padded[: sp.numel].copy_(value.reshape(-1))
+                    entry[key] = padded[rank * sp.shard_numel : (rank + 1) * sp.shard_numel].clone()
+                elif isinstance(value, Tensor):
+                    on_device = self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable")
+                    entry[key] = value.clone().to(master.device) if on_device else value.clone()
+                else:
+                    entry[key] = value
+            self.optimizer.state[master] = entry
