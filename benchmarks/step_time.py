@@ -51,7 +51,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPT_EXAMPLE_DIR = REPO_ROOT / "examples" / "gpt"
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2")
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 BASELINE = "ddp"
 MiB = 2**20
 # Ranks that outlive a failed peer are most likely waiting on a collective it will never join.
@@ -219,9 +219,11 @@ def _build_strategy(spec: RunSpec) -> Any:
     if spec.strategy == "fsdp":
         # Lightning's FSDP (FSDP1, use_orig_params=True, one unit for the whole model: no wrap policy).
         return FSDPStrategy(process_group_backend="gloo")
-    stage = {"zero1": 1, "zero2": 2}[spec.strategy]
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3}[spec.strategy]
     bucket = {} if spec.bucket_size is None else {"reduce_bucket_size": spec.bucket_size}
-    config = ZeroConfig(stage=stage, **bucket)
+    # Stage 3 gathers one transformer block at a time (both the demo GPT and the stand-in call it Block).
+    units = {"unit_modules": ("Block",)} if stage == 3 else {}
+    config = ZeroConfig(stage=stage, **bucket, **units)
     # popen, the default: it sees the torchrun variables and launches nothing itself.
     return ZeroStrategy(config=config)
 
@@ -519,6 +521,28 @@ def print_table(results: Sequence[StrategyResult], spec: RunSpec, command: str, 
         # Piped or redirected, rich assumes 80 columns; a file has room for the whole row.
         console = Console(width=max(console.width, 120))
     console.print(table)
+    _print_stage3_ratios(results, console)
+
+
+def _print_stage3_ratios(results: Sequence[StrategyResult], console: Any) -> None:
+    """ZeRO-3 against ZeRO-2 and FSDP, from the same run (the issue asks for both ratios)."""
+    by_name = {r.strategy: r for r in results}
+    zero3 = by_name.get("zero3")
+    if zero3 is None or zero3.error is not None:
+        return
+    for other in ("zero2", "fsdp"):
+        reference = by_name.get(other)
+        if reference is None:
+            continue
+        if reference.error is not None:
+            console.print(f"zero3 vs {other}: no ratio, {other} did not run on CPU: {reference.error}")
+            continue
+        console.print(
+            f"zero3 vs {other}: step {_ratio(zero3.median_step_s, reference.median_step_s)},"
+            f" params {_ratio(zero3.params, reference.params)},"
+            f" model state {_ratio(zero3.state_total, reference.state_total)}, peak RSS"
+            f" {_ratio(zero3.peak_rss_bytes, reference.peak_rss_bytes)}"
+        )
 
 
 # ---------------------------------------------------------------------------------------- noise

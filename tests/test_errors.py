@@ -14,7 +14,7 @@ from lightning_zero.zero import check_shardable
 from models import TinyGPT
 
 
-@pytest.mark.parametrize("stage", [0, 3, 4, True])
+@pytest.mark.parametrize("stage", [0, 4, True])
 def test_unsupported_stage(stage: int) -> None:
     with pytest.raises(ValueError, match=rf"ZeroConfig.stage={stage!r}"):
         ZeroConfig(stage=stage)
@@ -24,6 +24,22 @@ def test_unsupported_stage(stage: int) -> None:
 def test_bucket_size_must_be_positive(size: int) -> None:
     with pytest.raises(ValueError, match=rf"reduce_bucket_size={size}.*positive"):
         ZeroConfig(reduce_bucket_size=size)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": 2, "unit_modules": ("Block",)}, r"stage 3 only, but stage=2"),
+        ({"stage": 3, "prefetch_units": -1}, r"prefetch_units=-1"),
+        ({"stage": 3, "param_persistence_threshold": -5}, r"param_persistence_threshold=-5"),
+        ({"stage": 3, "prefetch_bytes": 0}, r"prefetch_bytes=0"),
+        ({"stage": 3, "unit_modules": ("",)}, r"unit_modules=\(''"),
+        ({"reduce_dtype": "fp8"}, r"reduce_dtype='fp8'"),
+    ],
+)
+def test_stage3_and_reduce_settings_are_checked(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig(**kwargs)
 
 
 def test_unknown_config_field_is_named() -> None:
@@ -68,7 +84,7 @@ def test_unsupported_precision_names_the_value() -> None:
         lightning_zero.ZeroPrecision("fp8")
 
 
-@pytest.mark.parametrize("name,stage", [("zero1", 1), ("zero2", 2), ("zero2_spawn", 2)])
+@pytest.mark.parametrize("name,stage", [("zero1", 1), ("zero2", 2), ("zero2_spawn", 2), ("zero3", 3)])
 def test_registered_names(name: str, stage: int) -> None:
     trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, ZeroStrategy)

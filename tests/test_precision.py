@@ -147,6 +147,8 @@ def _all_cases(directory: str) -> dict[str, Any]:
         "gpt_fp32_ddp": _demo_gpt_losses("ddp", 50),
         "gpt_bf16": _demo_gpt_losses(ZeroStrategy(stage=2), 50, precision="bf16-mixed"),
         "gpt_fp16": _demo_gpt_losses(ZeroStrategy(stage=2), 50, plugins=[ZeroPrecision("16-mixed")]),
+        "gpt_fp16_zero3": _demo_gpt_losses(ZeroStrategy(config=ZeroConfig(stage=3, unit_modules=("Block",))), 50,
+                                           plugins=[ZeroPrecision("16-mixed")]),
         "manual_fp32": _manual(ZeroStrategy(stage=1)),
         "manual_fp16": _manual(ZeroStrategy(stage=1), plugins=[ZeroPrecision("16-mixed")]),
     }
@@ -188,7 +190,10 @@ BF16_TOLERANCE = 0.02  # measured max 1.2e-3
 FP16_TOLERANCE = 0.005  # measured max 6.7e-5
 
 
-@pytest.mark.parametrize(("case", "tolerance"), [("gpt_bf16", BF16_TOLERANCE), ("gpt_fp16", FP16_TOLERANCE)])
+@pytest.mark.parametrize(
+    ("case", "tolerance"),
+    [("gpt_bf16", BF16_TOLERANCE), ("gpt_fp16", FP16_TOLERANCE), ("gpt_fp16_zero3", FP16_TOLERANCE)],
+)
 def test_mixed_precision_tracks_fp32_ddp(results: list[dict[str, Any]], case: str, tolerance: float) -> None:
     for per_rank in results:
         reference, losses = per_rank["gpt_fp32_ddp"], per_rank[case]

@@ -294,6 +294,7 @@ class Zero3Engine:
         self._forward_tail_call = -1
         self._call_stack: list[int] = []
         self._backward_held: set[ShardedUnit] = set()
+        self._backward_visited: set[ShardedUnit] = set()
         self._grad_listeners: list[Callable[[ShardedParam], None]] = []
         self._hook_handles: list[Any] = []
         self._check_dtypes(module, param_dtype)
@@ -507,10 +508,19 @@ class Zero3Engine:
         return post_forward
 
     def _pre_backward(self, unit: ShardedUnit) -> None:
+        # A unit's outputs can be reached more than once in one backward (a tied weight's two
+        # modules): only the first time gathers and prefetches.
+        if unit in self._backward_visited:
+            return
+        self._backward_visited.add(unit)
         if unit not in self._backward_held:
             self._backward_held.add(unit)
             unit.refcount += 1
             self._gather(unit, order=self._backward_order)
+        else:  # kept from forward: nothing to gather, but record the order and prefetch what follows
+            if self._recording and unit not in self._backward_order:
+                self._backward_order.append(unit)
+            self._prefetch_after(unit, self._backward_order)
 
     def acquire(self, unit: ShardedUnit, order: list[ShardedUnit] | None = None) -> None:
         unit.refcount += 1
@@ -596,6 +606,7 @@ class Zero3Engine:
             self._recording = False
         self._forward_calls = 0
         self._call_stack.clear()
+        self._backward_visited.clear()
         self.free_idle()
 
     def free_idle(self) -> None:
