@@ -7,6 +7,7 @@ variants) with Lightning, so ``Trainer(strategy="zero2")`` works. Importing neve
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
@@ -29,6 +30,7 @@ def _register_strategies() -> None:
 _register_strategies()
 
 __all__ = [
+    "CPUOffloadPolicy",
     "Collectives",
     "CountingCollectives",
     "LossScaleAtMinimumError",

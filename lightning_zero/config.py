@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from lightning_zero.offload import CPUOffloadPolicy
+
 SUPPORTED_STAGES = (1, 2, 3)
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -50,6 +52,11 @@ class ZeroConfig:
             are gathered while the current one computes, in forward and in backward.
         prefetch_bytes: stage 3: prefetch by bytes instead: gather ahead while the units fit in
             this many bytes. Overrides ``prefetch_units``.
+        offload_optimizer: keep the fp32 master shards and optimizer state in CPU memory (all of it,
+            or ``ratio`` of it); gradients are copied there as each reduction finishes and Adam/AdamW
+            steps there in one fused pass.
+        offload_params: stage 3: keep the parameter shards in CPU memory too; each moves to the
+            device for its gather.
     """
 
     stage: int = 2
@@ -62,6 +69,8 @@ class ZeroConfig:
     param_persistence_threshold: int = 0
     prefetch_units: int = 1
     prefetch_bytes: int | None = None
+    offload_optimizer: CPUOffloadPolicy | None = None
+    offload_params: CPUOffloadPolicy | None = None
 
     def __post_init__(self) -> None:
         _check_type("stage", self.stage, int)
@@ -92,6 +101,22 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.unit_modules / param_persistence_threshold apply to stage 3 only, but stage={self.stage}."
                 " Set stage=3 or drop them."
+            )
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            if isinstance(value, dict):  # YAML / LightningCLI give a mapping
+                object.__setattr__(self, name, CPUOffloadPolicy(**value))
+            elif value is not None and not isinstance(value, CPUOffloadPolicy):
+                raise ValueError(f"ZeroConfig.{name}={value!r} must be a CPUOffloadPolicy (or None for no offload).")
+        if self.offload_params is not None and self.stage != 3:
+            raise ValueError(
+                f"ZeroConfig.offload_params needs stage 3 (parameters are only sharded there), but stage={self.stage}."
+                " Use stage=3, or offload only the optimizer with offload_optimizer."
+            )
+        if self.offload_params is not None and self.offload_optimizer is None:
+            raise ValueError(
+                "ZeroConfig.offload_params without offload_optimizer would move every shard to the device for the"
+                " optimizer step; offload the optimizer too (offload_optimizer=CPUOffloadPolicy())."
             )
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(

@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
@@ -248,6 +249,8 @@ class ZeroStrategy(ParallelStrategy):
             param_dtype=precision.param_dtype,
             grad_dtype=self.config.reduce_torch_dtype,
             device=self.root_device,
+            offload_optimizer=self.config.offload_optimizer,
+            offload_params=self.config.offload_params,
         )
         if on_meta:
             self._engine.materialize_and_shard(_reset_parameters)
@@ -516,6 +519,19 @@ class ZeroStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        offload = CPUOffloadPolicy()
+        strategy_registry.register(
+            "zero2_offload",
+            cls,
+            description="ZeRO stage 2 with the optimizer state offloaded to the CPU (lightning_zero)",
+            config=ZeroConfig(stage=2, offload_optimizer=offload),
+        )
+        strategy_registry.register(
+            "zero3_offload",
+            cls,
+            description="ZeRO stage 3 with the optimizer state and the parameters offloaded to the CPU (lightning_zero)",
+            config=ZeroConfig(stage=3, offload_optimizer=offload, offload_params=offload),
+        )
         for stage in (1, 2, 3):
             strategy_registry.register(
                 f"zero{stage}",

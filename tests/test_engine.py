@@ -42,10 +42,10 @@ def _engine_cases() -> dict[str, Any]:
 
     # A step with no gradient anywhere changes nothing, as in torch.
     before = [p.detach().clone() for p in model.parameters()]
-    state_before = {k: v.clone() for k, v in optimizer.state[next(optimizer.flat_buffers).master].items()}
+    state_before = {k: v.clone() for k, v in optimizer.state[next(optimizer.buckets).master].items()}
     optimizer.step()
     out["unchanged_params"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    state_after = optimizer.state[next(optimizer.flat_buffers).master]
+    state_after = optimizer.state[next(optimizer.buckets).master]
     out["unchanged_state"] = all(torch.equal(state_before[k], state_after[k]) for k in state_before)
 
     # no_sync: three accumulating backwards communicate nothing; the step reduces once.

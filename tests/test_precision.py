@@ -42,15 +42,15 @@ def _scripted_overflow() -> dict[str, Any]:
     for step in range(len(EXPECTED_SCALES)):
         inject["now"] = step in OVERFLOW_STEPS
         params = [p.detach().clone() for p in model.parameters()]
-        master = [b.master.clone() for b in optimizer.flat_buffers]
-        state = [{k: v.clone() for k, v in optimizer.state.get(b.master, {}).items()} for b in optimizer.flat_buffers]
+        master = [b.master.clone() for b in optimizer.buckets]
+        state = [{k: v.clone() for k, v in optimizer.state.get(b.master, {}).items()} for b in optimizer.buckets]
         optimizer.zero_grad()
         (model(data).float().pow(2).mean() * scaler.scale).backward()
         optimizer.step()
         same_params = all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
-        same_master = all(torch.equal(a, b.master) for a, b in zip(master, optimizer.flat_buffers))
+        same_master = all(torch.equal(a, b.master) for a, b in zip(master, optimizer.buckets))
         same_state = all(
-            torch.equal(v, optimizer.state[b.master][k]) for s, b in zip(state, optimizer.flat_buffers) for k, v in s.items()
+            torch.equal(v, optimizer.state[b.master][k]) for s, b in zip(state, optimizer.buckets) for k, v in s.items()
         )
         record["scales"].append(scaler.scale)
         record["skipped"].append(optimizer.last_step_skipped)
@@ -225,7 +225,7 @@ def _reduce_in_bf16() -> dict[str, Any]:
     return {
         "reduce_dtypes": {c.dtype for c in counting.calls if c.op == "reduce_scatter"},
         "gather_dtypes": {c.dtype for c in counting.calls if c.op == "all_gather"},
-        "master_dtypes": {b.master.dtype for b in optimizer.flat_buffers},
+        "master_dtypes": {b.master.dtype for b in optimizer.buckets},
     }
 
 

@@ -22,11 +22,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class Handle(Protocol):
     def wait(self) -> bool | None: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class _Done:
     """Handle of a collective that already completed (world size 1)."""
 
     def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
 

@@ -5,7 +5,7 @@ The parameters of one optimizer param group and one dtype are packed, in reverse
 order (roughly the order backward produces their gradients), into buckets of about
 ``reduce_bucket_size`` elements. Each bucket is padded to a multiple of the world size N and
 split into N equal chunks: rank r owns chunk r of every bucket. A rank's fp32 master shard is the
-concatenation of its chunks, so it is one contiguous tensor of ~Psi/N elements, and one
+concatenation of its chunks (one fp32 tensor per bucket, ~Psi/N elements in all), and one
 reduce-scatter (gradients) or all-gather (parameters) per bucket moves exactly that bucket's
 data. Index spaces are named by :class:`Range` users: "bucket" offsets are within a bucket's flat
 data, "shard" offsets are within the rank's master shard.
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.offload import CPUOffloadPolicy, MasterPlacement
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
 
 
@@ -81,7 +82,12 @@ class Bucket:
         self.rank = rank
         self.keep_grad_buffer = keep_grad_buffer
         self.grad_data: Tensor | None = None
-        self.master_grad: Tensor | None = None  # [shard_numel] view into the owner's master-gradient shard
+        # This rank's fp32 master chunk [shard_numel] and its gradient; on the CPU under offload.
+        self.master = torch.empty(0)
+        self.master_grad = torch.empty(0)
+        # Under offload with bf16/fp16 parameters: the CPU step writes the rounded chunk here
+        # (pinned), and it is copied to the device from here.
+        self.staging: Tensor | None = None
         self.state = GradState.CLEAN
         self._ready = 0
         self._reduce_output: Tensor | None = None
@@ -133,11 +139,17 @@ class Bucket:
         assert self._handle is not None and self._reduce_output is not None
         with torch.profiler.record_function("zero::wait_reduce_scatter"):
             self._handle.wait()
-        assert self.master_grad is not None
-        self.master_grad.add_(self._reduce_output)  # upcasts a bf16/fp16 reduction to fp32
+        # Upcasts a bf16/fp16 reduction to fp32; under offload this is the copy to the CPU.
+        self.master_grad.add_(self._reduce_output.to(self.master_grad.device))
         self._reduce_output = None
         self._handle = None
         self._release_grad()
+
+    def poll(self) -> None:
+        """Finishes the reduction if it already completed: under offload the gradient then moves to
+        the CPU while backward goes on."""
+        if self.state is GradState.REDUCING and self._handle is not None and self._handle.is_completed():
+            self.finish_reduce()
 
     def reset(self) -> None:
         """Drops every local gradient, waiting for any collective still using the buffer."""
@@ -160,8 +172,8 @@ class FlatParamBuffer:
     """The parameters of one param group and one dtype, flattened into buckets.
 
     Owns the full flat parameter data [sum of padded bucket sizes] in ``param_dtype`` (every rank
-    holds all of it at stages 1 and 2), and this rank's fp32 master shard [sum of shard sizes] with
-    its gradient. The master is taken from the parameters' values before any cast to
+    holds all of it at stages 1 and 2); each bucket owns this rank's fp32 master chunk with its
+    gradient (on the CPU for the share an offload policy sends there). The master is taken from the parameters' values before any cast to
     ``param_dtype``, so casting a model to bf16/fp16 loses nothing of the weights it started from.
     """
 
@@ -175,14 +187,14 @@ class FlatParamBuffer:
         device: torch.device,
         param_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype = torch.float32,
+        offload: CPUOffloadPolicy | None = None,
     ) -> None:
         dtype = param_dtype or named_params[0][2].dtype
         layout = _plan_buckets(named_params, bucket_size, world_size)
         total = sum(padded for _, padded in layout)
         self.dtype = dtype
         self.data = torch.zeros(total, dtype=dtype, device=device)
-        self.master = torch.empty(total // world_size, dtype=torch.float32, device=device)
-        self.master_grad = torch.zeros_like(self.master)
+        placement = MasterPlacement(offload, device, total // world_size)
         self.buckets: list[Bucket] = []
         self.slots: list[ParamSlot] = []
         bucket_start = 0
@@ -203,8 +215,12 @@ class FlatParamBuffer:
                 bucket.slots.append(slot)
                 offset += param.numel()
             param_data.copy_(values)
-            bucket.shard_range.slice(self.master).copy_(bucket.owned_chunk(values))
-            bucket.master_grad = bucket.shard_range.slice(self.master_grad)
+            master_device = placement.place(bucket.shard_numel)
+            bucket.master = placement.zeros(bucket.shard_numel, master_device)
+            bucket.master.copy_(bucket.owned_chunk(values))
+            bucket.master_grad = placement.zeros(bucket.shard_numel, master_device)
+            if offload is not None and master_device.type == "cpu" and dtype != torch.float32:
+                bucket.staging = placement.zeros(bucket.shard_numel, torch.device("cpu"), dtype)
             self.buckets.append(bucket)
             self.slots.extend(bucket.slots)
             bucket_start += padded
@@ -218,13 +234,20 @@ class FlatParamBuffer:
     def numel(self) -> int:
         return sum(slot.bucket_range.size for slot in self.slots)
 
-    def start_all_gather(self, collectives: Collectives | CountingCollectives) -> list[Handle]:
-        """Publishes the updated master shard: every bucket's chunks are gathered to every rank."""
+    def start_all_gather(
+        self, collectives: Collectives | CountingCollectives, staged: set[int] | None = None
+    ) -> list[Handle]:
+        """Publishes the updated master shard: every bucket's chunks are gathered to every rank.
+
+        ``staged``: ids of masters whose CPU step already wrote the low-precision copy to staging.
+        """
         handles = []
         with torch.no_grad(), torch.profiler.record_function("zero::all_gather"):
             for bucket in self.buckets:
                 # A separate input tensor: gloo does not promise in-place gathers.
-                chunk = bucket.shard_range.slice(self.master).to(self.dtype, copy=True)
+                use_staging = bucket.staging is not None and staged is not None and id(bucket.master) in staged
+                source = bucket.staging if use_staging else bucket.master
+                chunk = source.to(device=bucket.param_data.device, dtype=self.dtype, copy=True)
                 handles.append(collectives.all_gather(bucket.param_data, chunk))
         return handles
 

@@ -119,6 +119,8 @@ class ShardedOptimizer(Optimizer):
         # space of torch's optimizer state_dict format.
         self._group_params: list[list[nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
         self._had_grad = torch.zeros(0, dtype=torch.int32)
+        self.comm_device = torch.device("cpu")  # where small collectives run; subclasses set it
+        self._fused_last: set[int] = set()  # masters the C++ CPU step updated (and staged) last
 
     def _finish_init(self, num_trainable: int) -> None:
         self._had_grad = torch.zeros(num_trainable, dtype=torch.int32)
@@ -177,8 +179,8 @@ class ShardedOptimizer(Optimizer):
         per-parameter "had a gradient" flags plus, with a loss scaler, one overflow flag. Raises when
         only some parameters got a gradient: a flat shard cannot skip single parameters.
         """
-        flags = torch.zeros(len(self._had_grad) + 1, dtype=torch.int32, device=self._device)
-        flags[:-1] = self._had_grad.to(self._device)
+        flags = torch.zeros(len(self._had_grad) + 1, dtype=torch.int32, device=self.comm_device)
+        flags[:-1] = self._had_grad.to(self.comm_device)
         if self.loss_scaler is not None:
             finite = all(bool(torch.isfinite(grad).all()) for grad in self._master_grads())
             flags[-1] = 0 if finite else 1
@@ -202,9 +204,6 @@ class ShardedOptimizer(Optimizer):
         return True, False
 
     # ------------------------------------------------------------------ step
-    @property
-    def _device(self) -> torch.device:
-        return next(iter(self._master_grads()), torch.zeros(0)).device
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -228,14 +227,70 @@ class ShardedOptimizer(Optimizer):
             return loss
         if not had_grad:
             return loss
-        self._apply_grad_coefficient()
-        with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups():
-            self.optimizer.step()
+        self._run_optimizer()
         self._grad_coefficient = None
         self._publish_params()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         return loss
+
+    def _run_optimizer(self) -> None:
+        """Steps every master shard. Offloaded Adam/AdamW shards take the one-pass C++ CPU step,
+        which applies the unscale x clip factor and writes the low-precision copy in the same pass;
+        every other shard goes through the wrapped torch optimizer."""
+        fused = self._fused_cpu_masters()
+        self._fused_last = {id(master) for _, master in fused}
+        if not fused:
+            self._apply_grad_coefficient()
+            with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups():
+                self.optimizer.step()
+            return
+        fused_ids = {id(master) for _, master in fused}
+        coefficient = float(self._grad_coefficient_now())
+        with torch.no_grad():
+            for grad, master in zip(self._master_grads(), (m for group in self._group_masters() for m in group)):
+                if id(master) not in fused_ids and coefficient != 1.0:
+                    grad.mul_(coefficient)
+        self._grad_coefficient = 1.0
+        with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(skip=fused_ids):
+            if any(group["params"] for group in self.param_groups):
+                self.optimizer.step()
+        with torch.profiler.record_function("zero::cpu_adam_step"):
+            for group, master in fused:
+                self._cpu_adam_step(group, master, coefficient)
+
+    def _fused_cpu_masters(self) -> list[tuple[dict[str, Any], Tensor]]:
+        """(param group, master) pairs the C++ CPU Adam steps: offloaded shards of Adam/AdamW."""
+        if self.config.offload_optimizer is None or type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return []
+        pairs = []
+        for group, masters in zip(self.param_groups, self._group_masters()):
+            if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
+                continue
+            pairs += [(group, master) for master in masters if master.device.type == "cpu"]
+        return pairs
+
+    def _cpu_adam_step(self, group: dict[str, Any], master: Tensor, coefficient: float) -> None:
+        from lightning_zero.ops import fused_adam_step
+
+        state = self.optimizer.state[master]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        fused_adam_step(
+            master, master.grad, state["exp_avg"], state["exp_avg_sq"],
+            step=int(state["step"].item()), lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+            adamw_mode=isinstance(self.optimizer, torch.optim.AdamW), grad_scale=coefficient,
+            low_precision_out=self._staging_of(master),
+        )
+
+    def _staging_of(self, master: Tensor) -> Tensor | None:
+        """The pinned low-precision buffer the CPU step writes for ``master``, if any."""
+        return None
 
     def _grad_coefficient_now(self) -> Tensor | float:
         if self._grad_coefficient is None:
@@ -254,14 +309,14 @@ class ShardedOptimizer(Optimizer):
         self._grad_coefficient = 1.0
 
     @contextlib.contextmanager
-    def _masters_in_param_groups(self) -> Iterator[None]:
+    def _masters_in_param_groups(self, skip: set[int] | None = None) -> Iterator[None]:
         """Points each param group at this rank's master shards for the duration of the step.
 
         Outside the step the groups list the model's own parameters, so Lightning's
         toggle_optimizer and anything else reading ``param_groups`` sees the model.
         """
         for group, masters in zip(self.param_groups, self._group_masters()):
-            group["params"] = masters
+            group["params"] = [m for m in masters if skip is None or id(m) not in skip]
         try:
             yield
         finally:
@@ -297,13 +352,15 @@ class ShardedOptimizer(Optimizer):
         self.finish_grad_sync()
         norm_type = float(norm_type)
         grads = list(self._master_grads())
+        # Partial results move to the communication device: offloaded shards are on the CPU.
+        device = self.comm_device
         if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros(())]).max()
-            local = local.to(self._device, torch.float32)
+            partials = [g.abs().max().to(device, torch.float32) for g in grads if g.numel()]
+            local = torch.stack(partials).max() if partials else torch.zeros((), device=device)
             self.collectives.all_reduce(local, dist.ReduceOp.MAX)
             norm = local
         else:
-            local = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=self._device))
+            local = sum((g.abs().pow(norm_type).sum().to(device) for g in grads), torch.zeros((), device=device))
             self.collectives.all_reduce(local, dist.ReduceOp.SUM)
             norm = local.pow(1.0 / norm_type)
         coefficient = self._grad_coefficient_now()
@@ -379,6 +436,8 @@ class ZeroOptimizer(ShardedOptimizer):
         self._slot_of: dict[nn.Parameter, tuple[FlatParamBuffer, Bucket, ParamSlot]] = {}
         self._init_buffers(module)
         self._init_hooks()
+        self._staging = {id(b.master): b.staging for b in self.buckets if b.staging is not None}
+        self.comm_device = next(iter(self._slot_of), torch.zeros(0)).device
         self._finish_init(len(self._slot_of))
 
     # ------------------------------------------------------------------ setup
@@ -416,12 +475,13 @@ class ZeroOptimizer(ShardedOptimizer):
                     device=device,
                     param_dtype=self.param_dtype,
                     grad_dtype=self.config.reduce_torch_dtype,
+                    offload=self.config.offload_optimizer,
                 )
                 for entries in by_dtype.values()
             ]
             for buffer in group_buffers:
-                buffer.master.grad = buffer.master_grad
                 for bucket in buffer.buckets:
+                    bucket.master.grad = bucket.master_grad
                     for slot in bucket.slots:
                         self._slot_of[slot.param] = (buffer, bucket, slot)
             self.buffers.append(group_buffers)
@@ -436,19 +496,27 @@ class ZeroOptimizer(ShardedOptimizer):
         for group_buffers in self.buffers:
             yield from group_buffers
 
+    @property
+    def buckets(self) -> Iterator[Bucket]:
+        for buffer in self.flat_buffers:
+            yield from buffer.buckets
+
     def _master_grads(self) -> Iterator[Tensor]:
-        return (buffer.master_grad for buffer in self.flat_buffers)
+        return (bucket.master_grad for bucket in self.buckets)
 
     def _group_masters(self) -> list[list[Tensor]]:
-        return [[buffer.master for buffer in group_buffers] for group_buffers in self.buffers]
+        return [[bucket.master for buffer in group_buffers for bucket in buffer.buckets] for group_buffers in self.buffers]
+
+    def _staging_of(self, master: Tensor) -> Tensor | None:
+        return self._staging.get(id(master))
 
     def _param_names(self) -> dict[int, str]:
         return {slot.index: slot.name for _, _, slot in self._slot_of.values()}
 
     def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
-        grads: list[Tensor | None] = [buffer.master_grad for buffer in self.flat_buffers]
-        grads += [bucket.grad_data for buffer in self.flat_buffers for bucket in buffer.buckets]
-        return [], grads, [buffer.master for buffer in self.flat_buffers]
+        grads: list[Tensor | None] = [bucket.master_grad for bucket in self.buckets]
+        grads += [bucket.grad_data for bucket in self.buckets]
+        return [], grads, [bucket.master for bucket in self.buckets]
 
     def _drop_local_grads(self) -> None:
         for buffer in self.flat_buffers:
@@ -468,6 +536,9 @@ class ZeroOptimizer(ShardedOptimizer):
         self._sync_state = SyncState.PENDING
         if self._sync_enabled and bucket.mark_ready():
             bucket.start_reduce(self.collectives)
+            if self.config.offload_optimizer is not None:
+                for other in self.buckets:  # reductions already done move to the CPU now
+                    other.poll()
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
@@ -490,7 +561,11 @@ class ZeroOptimizer(ShardedOptimizer):
         self._sync_state = SyncState.SYNCED
 
     def _publish_params(self) -> None:
-        handles = [handle for buffer in self.flat_buffers for handle in buffer.start_all_gather(self.collectives)]
+        handles = [
+            handle
+            for buffer in self.flat_buffers
+            for handle in buffer.start_all_gather(self.collectives, staged=self._fused_last)
+        ]
         with torch.profiler.record_function("zero::wait_all_gather"):
             for handle in handles:
                 handle.wait()
@@ -508,24 +583,22 @@ class ZeroOptimizer(ShardedOptimizer):
         keep = self.collectives.rank == to
         state: dict[int, dict[str, Any]] = {}
         index_of = self._param_indices()
-        for buffer in self.flat_buffers:
-            shard_state = self.optimizer.state.get(buffer.master, {})
+        for bucket in self.buckets:
+            shard_state = self.optimizer.state.get(bucket.master, {})
             for key in sorted(shard_state):
                 value = shard_state[key]
-                is_shard = isinstance(value, Tensor) and value.dim() == 1 and value.numel() == buffer.master.numel()
-                for bucket in buffer.buckets:
-                    full = None
-                    if is_shard:
-                        full = torch.empty(bucket.padded_numel, dtype=value.dtype, device=value.device)
-                        self.collectives.all_gather(full, bucket.shard_range.slice(value).contiguous()).wait()
-                    if not keep:
-                        continue
-                    for slot in bucket.slots:
-                        entry = state.setdefault(index_of[slot.param], {})
-                        if full is not None:
-                            entry[key] = slot.bucket_range.slice(full).view_as(slot.param).cpu().clone()
-                        else:
-                            entry[key] = value.clone() if isinstance(value, Tensor) else value
+                full = None
+                if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.shard_numel:
+                    full = torch.empty(bucket.padded_numel, dtype=value.dtype, device=self.comm_device)
+                    self.collectives.all_gather(full, value.to(self.comm_device).contiguous()).wait()
+                if not keep:
+                    continue
+                for slot in bucket.slots:
+                    entry = state.setdefault(index_of[slot.param], {})
+                    if full is not None:
+                        entry[key] = slot.bucket_range.slice(full).view_as(slot.param).cpu().clone()
+                    else:
+                        entry[key] = value.clone() if isinstance(value, Tensor) else value
         groups = []
         for group, params in zip(self.param_groups, self._group_params):
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -536,49 +609,47 @@ class ZeroOptimizer(ShardedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a full-format state (from any world size, or from plain torch.optim) into this rank's shards."""
         saved_index = _check_full_optimizer_state(state_dict, self._group_params, type(self.optimizer).__name__)
-        groups = state_dict["param_groups"]
         saved_state: dict[Any, dict[str, Any]] = state_dict["state"]
-        for group, saved in zip(self.param_groups, groups):
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.optimizer.state.clear()
-        for buffer in self.flat_buffers:
-            self._load_buffer_state(buffer, saved_state, saved_index)
+        for bucket in self.buckets:
+            self._load_bucket_state(bucket, saved_state, saved_index)
 
-    def _load_buffer_state(
-        self, buffer: FlatParamBuffer, saved_state: dict[Any, dict[str, Any]], saved_index: dict[nn.Parameter, Any]
+    def _load_bucket_state(
+        self, bucket: Bucket, saved_state: dict[Any, dict[str, Any]], saved_index: dict[nn.Parameter, Any]
     ) -> None:
-        entries = {slot.param: saved_state.get(saved_index[slot.param]) for slot in buffer.slots}
+        entries = {slot.param: saved_state.get(saved_index[slot.param]) for slot in bucket.slots}
         present = [entry for entry in entries.values() if entry]
         if not present:
             return  # nothing was saved for these parameters: a fresh optimizer state
         shard_state: dict[str, Any] = {}
         for key, value in present[0].items():
             if isinstance(value, Tensor) and value.dim() > 0:
-                shard_state[key] = torch.zeros_like(buffer.master)
+                shard_state[key] = torch.zeros_like(bucket.master)
             elif isinstance(value, Tensor):
                 # Per-parameter scalars such as Adam's step count are one value for the whole shard;
                 # fused/capturable optimizers keep them on the parameters' device.
                 on_device = self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable")
-                shard_state[key] = value.clone().to(buffer.master.device) if on_device else value.clone()
+                shard_state[key] = value.clone().to(bucket.master.device) if on_device else value.clone()
             else:
                 shard_state[key] = value
-        for bucket in buffer.buckets:
-            for slot in bucket.slots:
-                entry = entries[slot.param]
-                if not entry:
+        for slot in bucket.slots:
+            entry = entries[slot.param]
+            if not entry:
+                continue
+            for key, target in shard_state.items():
+                if not isinstance(target, Tensor) or target.shape != bucket.master.shape:
                     continue
-                for key, target in shard_state.items():
-                    if not isinstance(target, Tensor) or target.shape != buffer.master.shape:
-                        continue
-                    value = entry.get(key)
-                    if not isinstance(value, Tensor) or value.shape != slot.param.shape:
-                        raise ValueError(
-                            f"Optimizer state '{key}' of parameter '{slot.name}' has shape"
-                            f" {tuple(value.shape) if isinstance(value, Tensor) else value!r}, but the parameter has"
-                            f" shape {tuple(slot.param.shape)}: the state comes from a different model."
-                        )
-                    self._scatter_into_shard(bucket, slot, value, bucket.shard_range.slice(target))
-        self.optimizer.state[buffer.master] = shard_state
+                value = entry.get(key)
+                if not isinstance(value, Tensor) or value.shape != slot.param.shape:
+                    raise ValueError(
+                        f"Optimizer state '{key}' of parameter '{slot.name}' has shape"
+                        f" {tuple(value.shape) if isinstance(value, Tensor) else value!r}, but the parameter has"
+                        f" shape {tuple(slot.param.shape)}: the state comes from a different model."
+                    )
+                self._scatter_into_shard(bucket, slot, value, target)
+        self.optimizer.state[bucket.master] = shard_state
 
     @staticmethod
     def _scatter_into_shard(bucket: Bucket, slot: ParamSlot, value: Tensor, shard: Tensor) -> None:
@@ -592,6 +663,7 @@ class ZeroOptimizer(ShardedOptimizer):
         shard[start - chunk_start : end - chunk_start].copy_(
             flat[start - slot.bucket_range.start : end - slot.bucket_range.start]
         )
+
 
 def _check_full_optimizer_state(
     state_dict: dict[str, Any], group_params: list[list[nn.Parameter]], optimizer_name: str

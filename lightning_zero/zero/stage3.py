@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.offload import CPUOffloadPolicy, MasterPlacement
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
 from lightning_zero.zero.flat_buffer import Range, _round_up
@@ -78,6 +79,15 @@ class ShardedParam:
         return self.shard_range.slice(self.unit.master_grad)
 
 
+CPU = torch.device("cpu")
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> Tensor:
+    if device.type == "cpu" and pin and torch.cuda.is_available():
+        return torch.zeros(numel, dtype=dtype, device=device).pin_memory()
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
 class ShardedUnit:
     """A group of parameters gathered, reduced and freed together."""
 
@@ -93,8 +103,13 @@ class ShardedUnit:
         param_dtype: torch.dtype,
         grad_dtype: torch.dtype,
         persistent: bool,
+        master_device: torch.device | None = None,
+        shard_device: torch.device | None = None,
+        pin: bool = False,
+        offloaded: bool = False,
     ) -> None:
         self.name = name
+        self.device = device
         self.module = module
         self.world_size = world_size
         self.rank = rank
@@ -115,10 +130,18 @@ class ShardedUnit:
             full_offset += shard_numel * world_size
             shard_offset += shard_numel
         self.shard_numel = shard_offset
-        self.shard = torch.zeros(shard_offset, dtype=param_dtype, device=device)
-        # fp32 parameters are their own master: no second copy of the shard.
-        self.master = self.shard if param_dtype == torch.float32 else torch.zeros(shard_offset, device=device)
-        self.master_grad = torch.zeros(shard_offset, dtype=torch.float32, device=device)
+        master_device = master_device or device
+        shard_device = shard_device or device
+        self.shard = _zeros(shard_offset, param_dtype, shard_device, pin)
+        # fp32 parameters are their own master (when both live on one device): no second copy.
+        same = param_dtype == torch.float32 and master_device == shard_device
+        self.master = self.shard if same else _zeros(shard_offset, torch.float32, master_device, pin)
+        self.master_grad = _zeros(shard_offset, torch.float32, master_device, pin)
+        # Offloaded, low-precision: the CPU step writes the rounded pieces here (the shard itself
+        # when it lives on the CPU too), and they are copied to the device shard from here.
+        self.staging: Tensor | None = None
+        if offloaded and param_dtype != torch.float32:
+            self.staging = self.shard if shard_device.type == "cpu" else _zeros(shard_offset, param_dtype, CPU, pin)
         # The full buffer exists from the start with its final size but no storage: parameters can
         # be views of it before any unit is allocated, so the model is never whole.
         self.full = torch.empty(full_offset, dtype=param_dtype, device=device)
@@ -147,7 +170,7 @@ class ShardedUnit:
         with torch.no_grad():
             for sp in self.params:
                 values = sp.param.detach().reshape(-1)
-                padded = torch.zeros(sp.full_range.size, dtype=torch.float32, device=self.shard.device)
+                padded = torch.zeros(sp.full_range.size, dtype=torch.float32, device=self.device)
                 padded[: sp.numel].copy_(values)
                 piece = padded[self.rank * sp.shard_numel : (self.rank + 1) * sp.shard_numel]
                 sp.shard.copy_(piece)
@@ -169,10 +192,11 @@ class ShardedUnit:
     def start_gather(self, collectives: Collectives | CountingCollectives) -> None:
         if self.state is not UnitState.SHARDED:
             return
-        self._gather_out = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype,
-                                       device=self.shard.device)
+        self._gather_out = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype, device=self.device)
+        # An offloaded shard travels to the device for the gather.
+        shard = self.shard if self.shard.device == self.device else self.shard.to(self.device, non_blocking=True)
         with torch.profiler.record_function("zero3::all_gather"):
-            self._gather_handle = collectives.all_gather(self._gather_out, self.shard)
+            self._gather_handle = collectives.all_gather(self._gather_out, shard)
         self.state = UnitState.GATHERING
 
     @torch.no_grad()
@@ -214,8 +238,7 @@ class ShardedUnit:
         if self.reducing:
             self.finish_reduce()  # the previous micro-step's reduction lands first
         if self.grad_data is None:
-            self.grad_data = torch.zeros(self.world_size * self.shard_numel, dtype=self.grad_dtype,
-                                         device=self.shard.device)
+            self.grad_data = torch.zeros(self.world_size * self.shard_numel, dtype=self.grad_dtype, device=self.device)
         by_rank = self.grad_data.view(self.world_size, self.shard_numel)
         padded = torch.zeros(sp.full_range.size, dtype=self.grad_dtype, device=grad.device)
         padded[: sp.numel].copy_(grad.reshape(-1))
@@ -225,7 +248,7 @@ class ShardedUnit:
         if self.grad_data is None or self.reducing:
             return
         self.grad_data.div_(self.world_size)
-        self._reduce_out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.shard.device)
+        self._reduce_out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
         with torch.profiler.record_function("zero3::reduce_scatter"):
             self._reduce_handle = collectives.reduce_scatter(self._reduce_out, self.grad_data)
         self.reducing = True
@@ -238,7 +261,7 @@ class ShardedUnit:
         assert self._reduce_handle is not None and self._reduce_out is not None
         with torch.profiler.record_function("zero3::wait_reduce_scatter"):
             self._reduce_handle.wait()
-        self.master_grad.add_(self._reduce_out)
+        self.master_grad.add_(self._reduce_out.to(self.master_grad.device))  # the copy to the CPU if offloaded
         self._reduce_out = None
         self._reduce_handle = None
         self.grad_data = None
@@ -254,11 +277,16 @@ class ShardedUnit:
         self.ready = 0
 
     @torch.no_grad()
-    def publish_master(self, params: Sequence[ShardedParam]) -> None:
-        """After a step: the updated master pieces become the parameter shard."""
-        if self.master is not self.shard:
-            for sp in params:
-                sp.shard.copy_(sp.master)
+    def publish_master(self, params: Sequence[ShardedParam], staged: bool) -> None:
+        """After a step: the updated master pieces become the parameter shard (from the staging
+        buffer when the CPU step already wrote the rounded pieces there)."""
+        if self.master is self.shard:
+            return
+        source = self.staging if staged and self.staging is not None else self.master
+        if source is self.shard:
+            return
+        for sp in params:
+            sp.shard.copy_(sp.shard_range.slice(source))
 
 
 class Zero3Engine:
@@ -276,8 +304,12 @@ class Zero3Engine:
         param_dtype: torch.dtype | None,
         grad_dtype: torch.dtype,
         device: torch.device,
+        offload_optimizer: CPUOffloadPolicy | None = None,
+        offload_params: CPUOffloadPolicy | None = None,
     ) -> None:
         self.module = module
+        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
         self.collectives = collectives
         self.prefetch_units = prefetch_units
         self.prefetch_bytes = prefetch_bytes
@@ -355,15 +387,21 @@ class Zero3Engine:
                 groups.setdefault(unit_prefix, []).append(entry)
         dtype = param_dtype or next(module.parameters()).dtype
         world, rank = self.collectives.world_size, self.collectives.rank
+        total = sum(p.numel() for entries in groups.values() for _, p in entries) + sum(p.numel() for _, p in persistent)
+        placement = MasterPlacement(self.offload_optimizer, self.device, total // world)
+        shard_device = CPU if self.offload_params is not None else self.device
+        pin = any(policy is not None and policy.pin_memory for policy in (self.offload_optimizer, self.offload_params))
         index = 0
-        for unit_prefix, entries in groups.items():
-            unit = ShardedUnit(unit_prefix or "<root>", unit_modules[unit_prefix], entries, index, world, rank,
-                               self.device, dtype, grad_dtype, persistent=False)
+        named_groups = [(prefix or "<root>", unit_modules[prefix], entries, False) for prefix, entries in groups.items()]
+        if persistent:
+            named_groups.append(("<persistent>", None, persistent, True))
+        for name, unit_module, entries, is_persistent in named_groups:
+            master_device = placement.place(sum(p.numel() for _, p in entries) // world)
+            unit = ShardedUnit(name, unit_module, entries, index, world, rank, self.device, dtype, grad_dtype,
+                               persistent=is_persistent, master_device=master_device, shard_device=shard_device,
+                               pin=pin, offloaded=self.offload_optimizer is not None and master_device == CPU)
             self.units.append(unit)
             index += len(entries)
-        if persistent:
-            self.units.append(ShardedUnit("<persistent>", None, persistent, index, world, rank, self.device, dtype,
-                                          grad_dtype, persistent=True))
         for unit in self.units:
             for sp in unit.params:
                 self.sharded_params[sp.param] = sp
@@ -794,6 +832,12 @@ class Zero3Optimizer(ShardedOptimizer):
                 members.append(sp)
             self.groups.append(members)
         self._units = list(dict.fromkeys(sp.unit for members in self.groups for sp in members))
+        self._staging = {
+            id(self._master_of[id(sp)][0]): sp.shard_range.slice(sp.unit.staging)
+            for sp in self.params
+            if sp.unit.staging is not None
+        }
+        self.comm_device = engine.device
         engine.add_grad_listener(self._on_grad)
         self._finish_init(len(self._local_index))
 
@@ -840,10 +884,15 @@ class Zero3Optimizer(ShardedOptimizer):
             self.engine.finish_grad_sync()
         self._sync_state = SyncState.SYNCED
 
+    def _staging_of(self, master: Tensor) -> Tensor | None:
+        return self._staging.get(id(master))
+
     def _publish_params(self) -> None:
         with torch.no_grad():
             for unit in self._units:
-                unit.publish_master([sp for sp in self.params if sp.unit is unit])
+                members = [sp for sp in self.params if sp.unit is unit]
+                staged = all(id(self._master_of[id(sp)][0]) in self._fused_last for sp in members)
+                unit.publish_master(members, staged=staged)
         self.engine.refresh_gathered()
 
     def _drop_local_grads(self) -> None:

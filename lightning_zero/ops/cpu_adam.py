@@ -1,0 +1,533 @@
+"""One-pass Adam(W) on the CPU: :func:`fused_adam_step` over a flat shard, and :class:`CPUAdam`.
+
+The kernel is ``csrc/cpu_adam.cpp``. In one pass over memory it reads the gradient (fp32, bf16
+or fp16) and multiplies it by ``grad_scale`` (the engine's combined unscale x clip
+coefficient), updates ``exp_avg``, ``exp_avg_sq`` and the fp32 master, and writes the bf16 or
+fp16 copy the device will receive: 28 bytes per element with a bf16 gradient and a bf16 copy,
+where torch's fused AdamW plus the separate upcast, unscale and copy passes move 48.
+
+[Note: building on first use]
+Importing this module builds nothing and loads nothing. The first :func:`fused_adam_step`,
+:class:`CPUAdam` step or :func:`cpu_adam_available` call compiles the source with
+``torch.utils.cpp_extension.load`` (ninja, about 10 s on two cores) into torch's extensions
+cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``), or into
+``$LIGHTNING_ZERO_BUILD_DIR`` when that is set; later processes load the cached library in
+milliseconds. torch's loader holds a file lock while it builds, so ranks that start together
+build once. The flags are picked per instruction set that torch detects on this CPU (AVX-512,
+AVX2 or none) rather than ``-march=native``, and the ISA is part of the extension's name, so a
+cache shared between different machines never hands one a library it cannot run.
+
+[Note: the fallback]
+Where the op cannot be built (no C++ compiler, no ninja, no source, a compile error) or is
+disabled, the same call runs torch's fused CPU AdamW (``torch._fused_adamw_`` /
+``torch._fused_adam_``) with the separate passes around it, and warns once with the reason
+and the fix (:class:`CPUAdamFallbackWarning`). Same numbers to about 1e-7 relative, more
+memory traffic. To force it: ``LIGHTNING_ZERO_DISABLE_CPP_OPS=1`` in the environment, or
+``lightning_zero.ops.cpu_adam._force_fallback(True)`` in a test.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["CPUAdam", "CPUAdamFallbackWarning", "cpu_adam_available", "fused_adam_step"]
+
+DISABLE_ENV = "LIGHTNING_ZERO_DISABLE_CPP_OPS"
+BUILD_DIR_ENV = "LIGHTNING_ZERO_BUILD_DIR"
+EXTENSION_NAME = "lightning_zero_cpu_adam"
+_SOURCE = "cpu_adam.cpp"
+
+# Codes of the lane widths compiled into csrc/cpu_adam.cpp (kIsa* there).
+_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+_ISA_NAMES = {code: name for name, code in _ISA_CODES.items()}
+# Per-ISA flags instead of -march=native: the library must run on any CPU that torch says has
+# this ISA, not only on the one that built it (see [Note: building on first use]).
+_ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+# -O3 without -ffast-math: sqrt and division stay IEEE. -ffp-contract=off: the kernel says
+# where it wants an fma, the compiler must not add others (see [Note: one math, three widths]).
+_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CPUAdamFallbackWarning(UserWarning):
+    """The one-pass C++ Adam is not in use; torch's fused AdamW and separate passes are."""
+
+
+# ------------------------------------------------------------------------------ the extension
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _target_isa() -> str:
+    """The widest lane type worth compiling for here, from torch's own CPU detection.
+
+    torch checks the OS saves the wide registers and honours ``ATEN_CPU_CAPABILITY``, so
+    ``ATEN_CPU_CAPABILITY=avx2`` also builds (and names) an AVX2 library.
+    """
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "scalar"  # -O3 still vectorises the scalar lane for NEON / SVE
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        return "avx512"
+    if capability == "AVX2":
+        return "avx2"
+    return "scalar"
+
+
+def _source_path() -> Path:
+    """``csrc/cpu_adam.cpp`` of the checkout this package runs from, or package data."""
+    here = Path(__file__).resolve().parent
+    candidates = (here.parents[1] / "csrc" / _SOURCE, here / "csrc" / _SOURCE)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the C++ source is not at {candidates[0]} (a source checkout) nor at {candidates[1]} "
+        "(package data). Install lightning_zero from a checkout with `pip install -e .`"
+    )
+
+
+def _check_toolchain() -> None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(
+            f"no C++ compiler: `{compiler}` (from $CXX, default c++) is not on PATH. Install one "
+            "(e.g. `apt-get install g++`) or point CXX at it"
+        )
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not available. `pip install ninja`")
+
+
+def _build_and_load() -> int:
+    """Compile (or find in the cache) and load the library; returns its compiled ISA code."""
+    # Imported here: cpp_extension pulls in setuptools, which `import lightning_zero` must not.
+    from torch.utils import cpp_extension
+
+    source = _source_path()
+    _check_toolchain()
+    isa = _target_isa()
+    name = f"{EXTENSION_NAME}_{isa}"
+    build_directory = None
+    if os.environ.get(BUILD_DIR_ENV):
+        build_directory = Path(os.environ[BUILD_DIR_ENV]) / name
+        build_directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=[*_CFLAGS, *_ISA_FLAGS[isa]],
+        extra_ldflags=["-fopenmp"],
+        build_directory=None if build_directory is None else str(build_directory),
+        is_python_module=False,  # TORCH_LIBRARY ops, no pybind11: builds in a third of the time
+        verbose=_env_flag("LIGHTNING_ZERO_BUILD_VERBOSE"),
+    )
+    return int(torch.ops.lightning_zero.cpu_adam_isa())
+
+
+def _short(error: BaseException, limit: int = 1500) -> str:
+    text = f"{type(error).__name__}: {error}".strip()
+    return text if len(text) <= limit else text[:limit] + " [...]"
+
+
+class _CppOp:
+    """Owns the lazily built extension: tried or not, loaded or why not, warned or not."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tried = False
+        self._isa: int | None = None  # compiled ISA code once loaded
+        self._failure: str | None = None  # why the build or load failed
+        self._forced = False
+        self._warned = False
+        self.build_seconds: float | None = None  # build or cache load, for the first call
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the library is in this process; never triggers the build."""
+        return self._isa is not None
+
+    def disabled_reason(self) -> str | None:
+        if self._forced:
+            return "it was forced by lightning_zero.ops.cpu_adam._force_fallback(True)"
+        if _env_flag(DISABLE_ENV):
+            return f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set. Unset it to use the C++ op"
+        return None
+
+    def isa(self) -> int | None:
+        """The ISA code to run with, building on first use; None means: use the fallback."""
+        if self.disabled_reason() is not None:
+            return None
+        if not self._tried:
+            self._try_build()
+        return self._isa
+
+    def _try_build(self) -> None:
+        with self._lock:
+            if self._tried:
+                return
+            start = time.perf_counter()
+            try:
+                self._isa = _build_and_load()
+            except Exception as error:  # any failure means: fall back, and say why
+                self._failure = (
+                    f"building the C++ op failed ({_short(error)}). Fix the toolchain, or set "
+                    f"{DISABLE_ENV}=1 to use the fallback without trying"
+                )
+            self.build_seconds = time.perf_counter() - start
+            self._tried = True
+
+    def warn_once(self) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        reason = self.disabled_reason() or self._failure or "the C++ op is not loaded"
+        warnings.warn(
+            "lightning_zero.ops: one-pass C++ Adam unavailable, using torch's fused CPU AdamW "
+            "plus separate upcast, unscale and low-precision copy passes (same numbers, more "
+            f"memory traffic). Reason: {reason}.",
+            CPUAdamFallbackWarning,
+            stacklevel=4,
+        )
+
+    def force_fallback(self, enabled: bool) -> None:
+        self._forced = enabled
+        self._warned = False
+
+
+_OP = _CppOp()
+
+
+def _force_fallback(enabled: bool = True) -> None:
+    """Route every call through the fallback (for tests); resets the warn-once flag."""
+    _OP.force_fallback(enabled)
+
+
+def cpu_adam_available() -> bool:
+    """Whether the one-pass C++ op is in use; builds it (or loads it from cache) on first call."""
+    return _OP.isa() is not None
+
+
+def _kernel_isa() -> str | None:
+    """``"avx512"``, ``"avx2"`` or ``"scalar"``: the widest lanes compiled in; None if not in use."""
+    code = _OP.isa()
+    return None if code is None else _ISA_NAMES[code]
+
+
+# ------------------------------------------------------------------------------ the step
+def _check_tensor(
+    name: str, tensor: Tensor, dtypes: tuple[torch.dtype, ...], numel: int | None
+) -> None:
+    if not isinstance(tensor, Tensor):
+        raise ValueError(f"fused_adam_step: {name} must be a Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"fused_adam_step: {name} is on {tensor.device}; it must be a CPU tensor")
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"fused_adam_step: {name} is {tensor.dtype}; it must be one of {allowed}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"fused_adam_step: {name} is not contiguous; pass {name}.contiguous()")
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(
+            f"fused_adam_step: {name} has {tensor.numel()} elements, master has {numel}; "
+            "all tensors of one step cover the same shard"
+        )
+
+
+def _check_step_args(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    low_precision_out: Tensor | None,
+    step: int,
+) -> None:
+    _check_tensor("master", master, (torch.float32,), None)
+    numel = master.numel()
+    _check_tensor("grad", grad, _GRAD_DTYPES, numel)
+    _check_tensor("exp_avg", exp_avg, (torch.float32,), numel)
+    _check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), numel)
+    if low_precision_out is not None:
+        _check_tensor("low_precision_out", low_precision_out, _LOW_PRECISION, numel)
+    if int(step) != step or step < 1:
+        raise ValueError(
+            f"fused_adam_step: step={step!r}; it is the step number after the increment, "
+            "an integer >= 1 (1 on the first step)"
+        )
+
+
+def _cpp_adam_step(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    grad_scale: float,
+    low_precision_out: Tensor | None,
+    isa: str,
+) -> None:
+    """The C++ op with a chosen lane width (tests check every compiled one); no validation."""
+    torch.ops.lightning_zero.cpu_adam_step(
+        master, grad, exp_avg, exp_avg_sq, low_precision_out,
+        int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        bool(adamw_mode), float(grad_scale), _ISA_CODES[isa],
+    )  # fmt: skip
+
+
+def _fallback_adam_step(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    grad_scale: float,
+    low_precision_out: Tensor | None,
+) -> None:
+    """torch's fused CPU Adam(W) with the upcast, unscale and copy as separate passes."""
+    # torch's kernel wants the param's dtype for the gradient, and its own grad_scale divides
+    # and writes the result back into the gradient: scale an fp32 copy ourselves instead, so
+    # the caller's gradient is never modified.
+    g = grad
+    if grad.dtype != torch.float32:
+        g = grad.to(torch.float32)
+        if grad_scale != 1.0:
+            g.mul_(grad_scale)
+    elif grad_scale != 1.0:
+        g = grad * grad_scale
+    fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
+    fused(
+        [master], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))],
+        lr=float(lr), beta1=float(beta1), beta2=float(beta2), weight_decay=float(weight_decay),
+        eps=float(eps), amsgrad=False, maximize=False,
+    )  # fmt: skip
+    if low_precision_out is not None:
+        low_precision_out.copy_(master)
+
+
+@torch.no_grad()
+def fused_adam_step(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    grad_scale: float = 1.0,
+    low_precision_out: Tensor | None = None,
+) -> None:
+    """One Adam(W) step over a flat fp32 shard, in one pass over memory; all updates in place.
+
+    Args:
+        master: fp32, contiguous, CPU ``[n]``; the weights, updated in place.
+        grad: ``[n]``, fp32, bf16 or fp16, contiguous, CPU; read only.
+        exp_avg, exp_avg_sq: fp32 ``[n]``; Adam's moments, updated in place.
+        step: the step number after the increment, 1 on the first step (bias correction).
+        lr, beta1, beta2, eps, weight_decay: as in ``torch.optim.AdamW``.
+        adamw_mode: True: decoupled decay ``master *= 1 - lr * weight_decay`` (AdamW);
+            False: ``weight_decay * master`` is added to the gradient (Adam's L2).
+        grad_scale: multiplies the gradient before anything else: the combined loss-unscale x
+            clip coefficient, so neither needs its own pass.
+        low_precision_out: bf16 or fp16 ``[n]``; receives the updated master rounded to
+            nearest even (bit-equal to ``master.to(low_precision_out.dtype)``).
+
+    Semantics are ``torch.optim.AdamW`` (``adamw_mode=True``) or ``torch.optim.Adam`` with
+    ``weight_decay`` (``adamw_mode=False``); ground truth is
+    :func:`lightning_zero.ops._reference.reference_adam_step`. Runs the C++ op, built on the
+    first call, or the warned-once fallback (see the module's notes).
+
+    Raises:
+        ValueError: a tensor has the wrong device, dtype, layout or size, or ``step < 1``.
+    """
+    _check_step_args(master, grad, exp_avg, exp_avg_sq, low_precision_out, step)
+    hyper: dict[str, Any] = dict(
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        adamw_mode=adamw_mode, grad_scale=grad_scale, low_precision_out=low_precision_out,
+    )  # fmt: skip
+    isa = _OP.isa()
+    if isa is not None:
+        _cpp_adam_step(master, grad, exp_avg, exp_avg_sq, isa=_ISA_NAMES[isa], **hyper)
+    else:
+        _OP.warn_once()
+        _fallback_adam_step(master, grad, exp_avg, exp_avg_sq, **hyper)
+
+
+def _stream_probe(
+    master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Tensor
+) -> bool:
+    """The step's memory traffic with no Adam math (benchmark bound); False without the op."""
+    if _OP.isa() is None:
+        return False
+    torch.ops.lightning_zero.cpu_adam_stream_probe(master, grad, exp_avg, exp_avg_sq, out)
+    return True
+
+
+# ------------------------------------------------------------------------------ the optimizer
+def _check_hyperparameters(where: str, group: dict[str, Any]) -> None:
+    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if not float(lr) >= 0.0:
+        raise ValueError(f"{where}: lr={lr!r}; it must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ValueError(f"{where}: betas={betas!r}; it must be two floats in [0, 1)")
+    if not float(eps) >= 0.0:
+        raise ValueError(f"{where}: eps={eps!r}; it must be >= 0")
+    if not float(weight_decay) >= 0.0:
+        raise ValueError(f"{where}: weight_decay={weight_decay!r}; it must be >= 0")
+    # Keys a torch.optim.Adam/AdamW state dict may bring along; CPUAdam has none of them.
+    for unsupported in ("amsgrad", "maximize"):
+        if group.get(unsupported, False):
+            raise ValueError(
+                f"{where}: {unsupported}=True is not supported by CPUAdam; use torch.optim.AdamW"
+            )
+
+
+def _check_params(where: str, params: Iterable[Tensor]) -> None:
+    for index, param in enumerate(params):
+        if param.device.type != "cpu" or param.dtype != torch.float32:
+            raise ValueError(
+                f"{where}: parameter {index} is {param.dtype} on {param.device}; CPUAdam updates "
+                "fp32 CPU tensors in place. For bf16/fp16 weights keep an fp32 master copy and "
+                "call lightning_zero.ops.fused_adam_step(master, grad, ..., "
+                "low_precision_out=weights)"
+            )
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    return tensor.view(-1)  # [numel]; callers ensure contiguity
+
+
+def _step_param(
+    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, **hyper: Any
+) -> None:
+    """One parameter of any shape: a flat view when it is contiguous, else a round trip."""
+    targets = (param, exp_avg, exp_avg_sq)
+    grad = grad.contiguous()
+    if all(t.is_contiguous() for t in targets):
+        fused_adam_step(*(_flat(t) for t in (param, grad, exp_avg, exp_avg_sq)), **hyper)
+        return
+    # Rare (a transposed parameter, say): step contiguous copies, then write them back.
+    copies = [t.contiguous() for t in targets]
+    fused_adam_step(_flat(copies[0]), _flat(grad), _flat(copies[1]), _flat(copies[2]), **hyper)
+    for target, copy in zip(targets, copies):
+        if copy is not target:
+            target.copy_(copy)
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam(W) for fp32 CPU parameters, one pass over memory per parameter (the C++ op).
+
+    ``CPUAdam(params, lr, betas, eps, weight_decay, adamw_mode=True)`` equals
+    ``torch.optim.AdamW(params, lr, betas, eps, weight_decay)``; ``adamw_mode=False`` equals
+    ``torch.optim.Adam(params, lr, betas, eps, weight_decay)`` (L2 added to the gradient).
+
+    Parameters must be fp32 on the CPU, of any shape; gradients may be fp32, bf16 or fp16.
+    (Low-precision weights: keep an fp32 master and call :func:`fused_adam_step` with
+    ``low_precision_out``, which is what lightning_zero's offload engine does.)
+
+    State is torch's: per parameter ``step`` (a float32 scalar tensor), ``exp_avg`` and
+    ``exp_avg_sq``; each param group stores ``adamw_mode`` under torch's key
+    ``decoupled_weight_decay``. So a ``CPUAdam.state_dict()`` loads into ``torch.optim.AdamW``
+    (or ``Adam``) and a torch state dict loads into ``CPUAdam``, each way continuing the same
+    run; a torch state dict with ``amsgrad`` or ``maximize`` set is refused with a ValueError.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        adamw_mode: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            decoupled_weight_decay=adamw_mode,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = f"CPUAdam param group {len(self.param_groups) - 1}"
+        _check_hyperparameters(where, group)
+        _check_params(where, group["params"])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Loading replaces each group with the saved one; a state dict from a torch that
+        # predates decoupled_weight_decay keeps this optimizer's mode rather than guessing.
+        modes = [group["decoupled_weight_decay"] for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for index, (group, mode) in enumerate(zip(self.param_groups, modes)):
+            group.setdefault("decoupled_weight_decay", mode)
+            _check_hyperparameters(f"CPUAdam.load_state_dict param group {index}", group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper = dict(
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                adamw_mode=bool(group["decoupled_weight_decay"]),
+            )  # fmt: skip
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise ValueError("CPUAdam does not support sparse gradients")
+                state = self.state[param]
+                if not state:
+                    self._init_state(state, param)
+                state["step"] += 1
+                _step_param(
+                    param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                    step=int(state["step"].item()), **hyper,
+                )  # fmt: skip
+        return loss
+
+    @staticmethod
+    def _init_state(state: dict[str, Any], param: Tensor) -> None:
+        # Exactly torch.optim.AdamW's keys, dtypes and layout, for state-dict compatibility.
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
