@@ -1,4 +1,4 @@
-"""ZeRO-1/2 on CUDA with NCCL equal DDP (run where at least 2 GPUs are present; skipped otherwise)."""
+"""ZeRO-1/2/3 and offload on CUDA with NCCL equal DDP (run where at least 2 GPUs are present; skipped otherwise)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,15 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 
 def _train_on_gpus(world_size: int) -> dict[str, Any]:
     out = {}
-    for name, strategy in (("ddp", "ddp"), ("zero1", ZeroStrategy(stage=1)),
-                           ("zero2", ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=700)))):
+    for name, strategy in (
+        ("ddp", "ddp"),
+        ("zero1", ZeroStrategy(stage=1)),
+        ("zero2", ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=700))),
+        ("zero3", ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=500))),
+        # pinned CPU buffers and the device<->CPU copies only really happen with a GPU
+        ("zero2_offload", "zero2_offload"),
+        ("zero3_offload", "zero3_offload"),
+    ):
         pl.seed_everything(0)
         module = TinyGPT()
         with launched_environment():
@@ -32,5 +39,5 @@ def _train_on_gpus(world_size: int) -> dict[str, Any]:
 
 def test_nccl_matches_ddp() -> None:
     result = run_on_ranks(_train_on_gpus, 2, 2, backend="nccl")[0]
-    for stage in ("zero1", "zero2"):
+    for stage in ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"):
         assert max_abs_diff(result[stage], result["ddp"]) <= 1e-4
