@@ -185,7 +185,7 @@ class _CppOp:
             start = time.perf_counter()
             try:
                 self._isa = _build_and_load()
-            except Exception as error:  # any failure means: fall back, and say why
+            except Exception as error:  # noqa: BLE001 - any failure means: fall back, and say why
                 self._failure = (
                     f"building the C++ op failed ({_short(error)}). Fix the toolchain, or set "
                     f"{DISABLE_ENV}=1 to use the fallback without trying"
@@ -193,11 +193,14 @@ class _CppOp:
             self.build_seconds = time.perf_counter() - start
             self._tried = True
 
+    def unavailable_reason(self) -> str:
+        return self.disabled_reason() or self._failure or "the C++ op is not loaded"
+
     def warn_once(self) -> None:
         if self._warned:
             return
         self._warned = True
-        reason = self.disabled_reason() or self._failure or "the C++ op is not loaded"
+        reason = self.unavailable_reason()
         warnings.warn(
             "lightning_zero.ops: one-pass C++ Adam unavailable, using torch's fused CPU AdamW "
             "plus separate upcast, unscale and low-precision copy passes (same numbers, more "
@@ -231,11 +234,9 @@ def _kernel_isa() -> str | None:
 
 
 # ------------------------------------------------------------------------------ the step
-def _check_tensor(
-    name: str, tensor: Tensor, dtypes: tuple[torch.dtype, ...], numel: int | None
-) -> None:
+def _check_tensor(name: str, tensor: Tensor, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:
     if not isinstance(tensor, Tensor):
-        raise ValueError(f"fused_adam_step: {name} must be a Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"fused_adam_step: {name} must be a Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         raise ValueError(f"fused_adam_step: {name} is on {tensor.device}; it must be a CPU tensor")
     if tensor.dtype not in dtypes:
@@ -270,6 +271,23 @@ def _check_step_args(
             f"fused_adam_step: step={step!r}; it is the step number after the increment, "
             "an integer >= 1 (1 on the first step)"
         )
+
+
+class _Fp32Scratch(threading.local):
+    """Per calling thread, the fp32 buffer the fallback upcasts gradients into. Allocating it
+    every step would cost more than the step's passes (fresh pages fault on first touch); it
+    keeps the size of the largest gradient seen, which is what a torch user's fp32 gradient
+    buffer costs too."""
+
+    buffer: Tensor | None = None
+
+    def get(self, numel: int) -> Tensor:
+        if self.buffer is None or self.buffer.numel() < numel:
+            self.buffer = torch.empty(numel, dtype=torch.float32)
+        return self.buffer[:numel]
+
+
+_SCRATCH = _Fp32Scratch()
 
 
 def _cpp_adam_step(
@@ -318,12 +336,14 @@ def _fallback_adam_step(
     # and writes the result back into the gradient: scale an fp32 copy ourselves instead, so
     # the caller's gradient is never modified.
     g = grad
-    if grad.dtype != torch.float32:
-        g = grad.to(torch.float32)
-        if grad_scale != 1.0:
-            g.mul_(grad_scale)
-    elif grad_scale != 1.0:
-        g = grad * grad_scale
+    if grad.dtype != torch.float32 or grad_scale != 1.0:
+        g = _SCRATCH.get(grad.numel())  # [n], like grad
+        if grad.dtype == torch.float32:
+            torch.mul(grad, grad_scale, out=g)
+        else:
+            g.copy_(grad)
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
     fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
     fused(
         [master], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))],
@@ -348,7 +368,7 @@ def fused_adam_step(
     eps: float,
     weight_decay: float,
     adamw_mode: bool = True,
-    grad_scale: float = 1.0,
+    grad_scale: float | Tensor = 1.0,
     low_precision_out: Tensor | None = None,
 ) -> None:
     """One Adam(W) step over a flat fp32 shard, in one pass over memory; all updates in place.
@@ -362,7 +382,7 @@ def fused_adam_step(
         adamw_mode: True: decoupled decay ``master *= 1 - lr * weight_decay`` (AdamW);
             False: ``weight_decay * master`` is added to the gradient (Adam's L2).
         grad_scale: multiplies the gradient before anything else: the combined loss-unscale x
-            clip coefficient, so neither needs its own pass.
+            clip coefficient, so neither needs its own pass. A float or a 0-dim tensor.
         low_precision_out: bf16 or fp16 ``[n]``; receives the updated master rounded to
             nearest even (bit-equal to ``master.to(low_precision_out.dtype)``).
 
@@ -373,12 +393,15 @@ def fused_adam_step(
 
     Raises:
         ValueError: a tensor has the wrong device, dtype, layout or size, or ``step < 1``.
+        TypeError: a tensor argument is not a Tensor.
     """
     _check_step_args(master, grad, exp_avg, exp_avg_sq, low_precision_out, step)
-    hyper: dict[str, Any] = dict(
-        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-        adamw_mode=adamw_mode, grad_scale=grad_scale, low_precision_out=low_precision_out,
-    )  # fmt: skip
+    hyper: dict[str, Any] = {
+        "step": step, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+        "weight_decay": weight_decay, "adamw_mode": adamw_mode,
+        "grad_scale": float(grad_scale),  # a 0-dim tensor is read once here
+        "low_precision_out": low_precision_out,
+    }  # fmt: skip
     isa = _OP.isa()
     if isa is not None:
         _cpp_adam_step(master, grad, exp_avg, exp_avg_sq, isa=_ISA_NAMES[isa], **hyper)
@@ -387,9 +410,7 @@ def fused_adam_step(
         _fallback_adam_step(master, grad, exp_avg, exp_avg_sq, **hyper)
 
 
-def _stream_probe(
-    master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Tensor
-) -> bool:
+def _stream_probe(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Tensor) -> bool:
     """The step's memory traffic with no Adam math (benchmark bound); False without the op."""
     if _OP.isa() is None:
         return False
@@ -411,9 +432,7 @@ def _check_hyperparameters(where: str, group: dict[str, Any]) -> None:
     # Keys a torch.optim.Adam/AdamW state dict may bring along; CPUAdam has none of them.
     for unsupported in ("amsgrad", "maximize"):
         if group.get(unsupported, False):
-            raise ValueError(
-                f"{where}: {unsupported}=True is not supported by CPUAdam; use torch.optim.AdamW"
-            )
+            raise ValueError(f"{where}: {unsupported}=True is not supported by CPUAdam; use torch.optim.AdamW")
 
 
 def _check_params(where: str, params: Iterable[Tensor]) -> None:
@@ -431,9 +450,7 @@ def _flat(tensor: Tensor) -> Tensor:
     return tensor.view(-1)  # [numel]; callers ensure contiguity
 
 
-def _step_param(
-    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, **hyper: Any
-) -> None:
+def _step_param(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, **hyper: Any) -> None:
     """One parameter of any shape: a flat view when it is contiguous, else a round trip."""
     targets = (param, exp_avg, exp_avg_sq)
     grad = grad.contiguous()
@@ -475,10 +492,10 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         adamw_mode: bool = True,
     ) -> None:
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            decoupled_weight_decay=adamw_mode,
-        )  # fmt: skip
+        defaults = {
+            "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+            "decoupled_weight_decay": adamw_mode,
+        }  # fmt: skip
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -489,13 +506,15 @@ class CPUAdam(torch.optim.Optimizer):
         _check_params(where, group["params"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Checked before loading, so a refused state dict leaves this optimizer as it was.
+        for index, group in enumerate(state_dict["param_groups"]):
+            _check_hyperparameters(f"CPUAdam.load_state_dict param group {index}", group)
         # Loading replaces each group with the saved one; a state dict from a torch that
         # predates decoupled_weight_decay keeps this optimizer's mode rather than guessing.
         modes = [group["decoupled_weight_decay"] for group in self.param_groups]
         super().load_state_dict(state_dict)
-        for index, (group, mode) in enumerate(zip(self.param_groups, modes)):
+        for group, mode in zip(self.param_groups, modes):
             group.setdefault("decoupled_weight_decay", mode)
-            _check_hyperparameters(f"CPUAdam.load_state_dict param group {index}", group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -505,11 +524,11 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            hyper = dict(
-                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                adamw_mode=bool(group["decoupled_weight_decay"]),
-            )  # fmt: skip
+            hyper = {
+                "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
+                "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
+                "adamw_mode": bool(group["decoupled_weight_decay"]),
+            }  # fmt: skip
             for param in group["params"]:
                 if param.grad is None:
                     continue

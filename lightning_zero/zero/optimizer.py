@@ -284,7 +284,8 @@ class ShardedOptimizer(Optimizer):
             master, master.grad, state["exp_avg"], state["exp_avg_sq"],
             step=int(state["step"].item()), lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
             eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-            adamw_mode=isinstance(self.optimizer, torch.optim.AdamW), grad_scale=coefficient,
+            adamw_mode=bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
+            grad_scale=coefficient,
             low_precision_out=self._staging_of(master),
         )
 
