@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -464,10 +464,32 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Stage 3: the whole weights, gathered unit by unit onto rank 0 (a collective)."""
-        if self._engine is None:
-            return super().lightning_module_state_dict()
-        return self._engine.full_state_dict()
+        """The whole weights on rank 0 (a collective). With bf16/fp16 parameters, the fp32 master
+        values, so that a checkpoint loses nothing of the weights being trained."""
+        if self._engine is not None:
+            return self._engine.full_state_dict()
+        module = self.lightning_module
+        assert module is not None
+        masters = self._master_values(keep=self.is_global_zero)
+        if not masters:
+            return module.state_dict()
+        state = module.state_dict(keep_vars=True)
+        return {
+            key: masters[value].cpu().clone() if isinstance(value, torch.nn.Parameter) and value in masters
+            else (value.detach() if isinstance(value, Tensor) else value)
+            for key, value in state.items()
+        }
+
+    def _master_values(self, keep: bool) -> dict[torch.nn.Parameter, Tensor]:
+        """Stages 1/2 with bf16/fp16 parameters: every parameter's fp32 master value (collective)."""
+        precision = self.precision_plugin
+        if not isinstance(precision, ZeroPrecision) or precision.param_dtype is None:
+            return {}
+        values: dict[torch.nn.Parameter, Tensor] = {}
+        for optimizer in self.zero_optimizers:
+            if isinstance(optimizer, ZeroOptimizer):
+                values.update(optimizer.gather_master_values(keep=keep))
+        return values
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -507,14 +529,31 @@ class ZeroStrategy(ParallelStrategy):
         for optimizer in self.zero_optimizers:
             optimizer.remove_hooks()
         self._restore_lr_scheduler_step()
+        precision = self.precision_plugin
+        restore_fp32 = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
+        if self._interrupted():
+            # After an error (perhaps on one rank only) no collective may run: it could hang.
+            if self._engine is not None:
+                self._engine.remove_hooks()
+                self._engine = None
+            restore_fp32 = False
         if self._engine is not None:
-            # Lightning hands the module back on the CPU; stage 3 gathers it unit by unit.
+            # Lightning hands the module back on the CPU; stage 3 gathers it unit by unit. After
+            # -mixed training it is handed back in fp32, from the masters, as Lightning's AMP does.
             self._engine.remove_hooks()
-            self._engine.gather_to_cpu()
+            self._engine.gather_to_cpu(from_master=restore_fp32)
             self._engine = None
+        elif restore_fp32:
+            for param, value in self._master_values(keep=True).items():
+                param.data = value.clone()
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
+
+    def _interrupted(self) -> bool:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
 
     @classmethod
     @override

@@ -73,4 +73,4 @@ class MasterPlacement:
         return torch.zeros(numel, dtype=dtype, device=device)
 
 
-__all__ = ["CPUOffloadPolicy", "MasterPlacement", "can_pin", "cpu_empty"]
+__all__ = ["CPU", "CPUOffloadPolicy", "MasterPlacement", "can_pin", "cpu_empty"]

@@ -90,6 +90,7 @@ class Bucket:
         self.staging: Tensor | None = None
         self.state = GradState.CLEAN
         self._ready = 0
+        self.ready_to_reduce = False
         self._reduce_output: Tensor | None = None
         self._handle: Handle | None = None
 
@@ -115,15 +116,22 @@ class Bucket:
         slot.bucket_range.slice(self.grad_data).add_(grad.reshape(-1))
         self.state = GradState.ACCUMULATING
 
+    def forget_ready(self) -> None:
+        """A new backward starts counting afresh (a parameter may have had no gradient last time)."""
+        self._ready = 0
+
     def mark_ready(self) -> bool:
         """Counts one more parameter gradient of this backward; True once all have arrived."""
         self._ready += 1
         return self._ready == len(self.slots)
 
     def start_reduce(self, collectives: Collectives | CountingCollectives) -> None:
-        if self.state is not GradState.ACCUMULATING:
-            raise RuntimeError(f"cannot reduce a bucket in state {self.state.name}")
-        assert self.grad_data is not None
+        """Launches this bucket's reduce-scatter; a bucket with no local gradient sends zeros,
+        since another rank may have one."""
+        if self.state is GradState.REDUCING:
+            raise RuntimeError("cannot reduce a bucket that is already being reduced")
+        if self.grad_data is None:
+            self.grad_data = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.param_data.device)
         # Averaging before the sum keeps fp16/bf16 sums in range, as DDP does.
         self.grad_data.div_(self.world_size)
         self._reduce_output = torch.empty(self.shard_numel, dtype=self.grad_data.dtype, device=self.grad_data.device)
@@ -158,6 +166,7 @@ class Bucket:
         self._handle = None
         self._reduce_output = None
         self._ready = 0
+        self.ready_to_reduce = False
         self._release_grad()
 
     def _release_grad(self) -> None:

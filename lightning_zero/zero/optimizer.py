@@ -437,6 +437,10 @@ class ZeroOptimizer(ShardedOptimizer):
         self._slot_of: dict[nn.Parameter, tuple[FlatParamBuffer, Bucket, ParamSlot]] = {}
         self._init_buffers(module)
         self._init_hooks()
+        self._launch_order = list(self.buckets)
+        self._launch_cursor = 0
+        self._backward_task: int | None = None  # the autograd graph task whose gradients arrive now
+        self._backward_synced = True
         self._staging = {id(b.master): b.staging for b in self.buckets if b.staging is not None}
         self.comm_device = next(iter(self._slot_of), torch.zeros(0)).device
         self._finish_init(len(self._slot_of))
@@ -520,26 +524,78 @@ class ZeroOptimizer(ShardedOptimizer):
         return [], grads, [bucket.master for bucket in self.buckets]
 
     def _drop_local_grads(self) -> None:
+        self._launch_remaining()  # what other ranks launched, this one must too before dropping
         for buffer in self.flat_buffers:
             for bucket in buffer.buckets:
                 bucket.reset()
         for param in self._slot_of:
             param.grad = None
+        self._launch_cursor = 0
+        self._backward_task = None
 
     @torch.no_grad()
     def _on_grad_ready(self, param: Tensor) -> None:
         if param.grad is None:
             return
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_task:
+            self._start_backward(task)
         buffer, bucket, slot = self._slot_of[param]  # type: ignore[index]
         bucket.accumulate(slot, param.grad)
         param.grad = None
         self._had_grad[slot.index] = 1
         self._sync_state = SyncState.PENDING
-        if self._sync_enabled and bucket.mark_ready():
-            bucket.start_reduce(self.collectives)
+        if self._backward_synced and bucket.mark_ready():
+            bucket.ready_to_reduce = True
+            self._launch_ready_reductions()
             if self.config.offload_optimizer is not None:
                 for other in self.buckets:  # reductions already done move to the CPU now
                     other.poll()
+
+    @torch.no_grad()
+    def gather_master_values(self, keep: bool = True) -> dict[nn.Parameter, Tensor]:
+        """Every parameter's whole fp32 value from the master chunks (a collective; with
+        ``keep=False`` this rank only takes part and gets {})."""
+        values: dict[nn.Parameter, Tensor] = {}
+        for bucket in self.buckets:
+            full = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.comm_device)
+            self.collectives.all_gather(full, bucket.master.to(self.comm_device)).wait()
+            if keep:
+                for slot in bucket.slots:
+                    values[slot.param] = slot.bucket_range.slice(full).view(slot.param.shape)
+        return values
+
+    # [Note: one launch order]
+    # Buckets are reduced in bucket order (reverse parameter order, i.e. backward order) on every
+    # rank: one complete out of turn waits for those before it. Each synchronized backward issues
+    # exactly one reduction per bucket: what it left unlaunched (a parameter without a gradient on
+    # this rank) goes out, with zeros where needed, when the next backward starts or at
+    # finish_grad_sync. So ranks whose graphs differ still issue the same collectives in the same
+    # order, and a parameter used on some ranks only gets their gradients, as with DDP's
+    # find_unused_parameters.
+    def _launch_ready_reductions(self) -> None:
+        while self._launch_cursor < len(self._launch_order):
+            bucket = self._launch_order[self._launch_cursor]
+            if not bucket.ready_to_reduce:
+                return
+            bucket.start_reduce(self.collectives)
+            bucket.ready_to_reduce = False
+            self._launch_cursor += 1
+
+    def _start_backward(self, task: int) -> None:
+        self._launch_remaining()
+        for bucket in self._launch_order:
+            bucket.forget_ready()
+        self._backward_task = task
+        self._backward_synced = self._sync_enabled
+
+    def _launch_remaining(self) -> None:
+        if self._backward_task is not None and self._backward_synced:
+            for bucket in self._launch_order[self._launch_cursor :]:
+                if bucket.state is not GradState.REDUCING:
+                    bucket.start_reduce(self.collectives)
+                bucket.ready_to_reduce = False
+        self._launch_cursor = 0
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
@@ -550,15 +606,15 @@ class ZeroOptimizer(ShardedOptimizer):
         if self._sync_state is SyncState.SYNCED:
             return
         with torch.profiler.record_function("zero::finish_grad_sync"):
-            # Buckets that backward did not complete (accumulation under no_sync, or a parameter
-            # without a gradient) are launched in bucket order, the same order on every rank.
-            for buffer in self.flat_buffers:
-                for bucket in buffer.buckets:
-                    if bucket.state is GradState.ACCUMULATING:
-                        bucket.start_reduce(self.collectives)
-            for buffer in self.flat_buffers:
-                for bucket in buffer.buckets:
-                    bucket.finish_reduce()
+            # What backward did not launch goes out now, in the one launch order (see the note);
+            # after accumulation under no_sync only, that is every bucket.
+            if self._backward_task is None or not self._backward_synced:
+                self._backward_task, self._backward_synced = -1, True
+                self._launch_cursor = 0
+            self._launch_remaining()
+            self._backward_task = None
+            for bucket in self.buckets:
+                bucket.finish_reduce()
         self._sync_state = SyncState.SYNCED
 
     def _publish_params(self) -> None:

@@ -31,14 +31,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.offload import CPUOffloadPolicy, MasterPlacement
+from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
 from lightning_zero.zero.flat_buffer import Range, _round_up
@@ -53,7 +52,7 @@ class UnitState(enum.Enum):
     GATHERED = "the full parameters are materialized"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: one object per parameter, usable as a key
 class ShardedParam:
     """One parameter under stage 3 and where its pieces live."""
 
@@ -79,7 +78,9 @@ class ShardedParam:
         return self.shard_range.slice(self.unit.master_grad)
 
 
-CPU = torch.device("cpu")
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (e.g. a checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> Tensor:
@@ -150,6 +151,7 @@ class ShardedUnit:
         self.state = UnitState.SHARDED
         self.refcount = 0
         self.ready = 0
+        self.ready_to_reduce = False
         self.trainable_count = len(self.params)
         self.reducing = False
         self._gather_out: Tensor | None = None
@@ -179,6 +181,28 @@ class ShardedUnit:
                 sp.full_range.slice(self.full).copy_(padded)
             for sp in self.params:
                 sp.param.data = sp.full_range.slice(self.full)[: sp.numel].view_as(sp.param)
+
+    @torch.no_grad()
+    def gather_master_values(self, collectives: Collectives | CountingCollectives) -> dict[ShardedParam, Tensor]:
+        """Every parameter's whole fp32 value from the master pieces (a collective)."""
+        out = torch.empty(self.world_size * self.shard_numel, dtype=torch.float32, device=self.device)
+        collectives.all_gather(out, self.master.to(self.device)).wait()
+        by_rank = out.view(self.world_size, self.shard_numel)
+        return {
+            sp: by_rank[:, sp.shard_range.start : sp.shard_range.end].reshape(-1)[: sp.numel].view(sp.param.shape)
+            for sp in self.params
+        }
+
+    @torch.no_grad()
+    def write_back_changed(self) -> None:
+        """After the full parameters were open for writing: pieces whose values differ from the
+        shard become the new shard and master; unchanged pieces keep their fp32 master exactly."""
+        by_param = [(sp, sp.full_range.slice(self.full).view(self.world_size, sp.shard_numel)[self.rank]) for sp in self.params]
+        for sp, piece in by_param:
+            if not torch.equal(piece, sp.shard.to(piece.device)):
+                sp.shard.copy_(piece)
+                if self.master is not self.shard:
+                    sp.master.copy_(piece)
 
     def allocate(self) -> None:
         """Gives the full buffer its storage (contents undefined): for initializing in place."""
@@ -233,12 +257,15 @@ class ShardedUnit:
             storage.resize_(nbytes)
 
     # ------------------------------------------------------------------ gradients
+    def ensure_grad_buffer(self) -> None:
+        if self.grad_data is None:
+            self.grad_data = torch.zeros(self.world_size * self.shard_numel, dtype=self.grad_dtype, device=self.device)
+
     @torch.no_grad()
     def accumulate(self, sp: ShardedParam, grad: Tensor) -> None:
         if self.reducing:
             self.finish_reduce()  # the previous micro-step's reduction lands first
-        if self.grad_data is None:
-            self.grad_data = torch.zeros(self.world_size * self.shard_numel, dtype=self.grad_dtype, device=self.device)
+        self.ensure_grad_buffer()
         by_rank = self.grad_data.view(self.world_size, self.shard_numel)
         padded = torch.zeros(sp.full_range.size, dtype=self.grad_dtype, device=grad.device)
         padded[: sp.numel].copy_(grad.reshape(-1))
@@ -329,6 +356,10 @@ class Zero3Engine:
         self._backward_visited: set[ShardedUnit] = set()
         self._grad_listeners: list[Callable[[ShardedParam], None]] = []
         self._hook_handles: list[Any] = []
+        self._launch_order: list[ShardedUnit] = []
+        self._launch_cursor = 0
+        self._backward_task: int | None = None  # the autograd graph task whose gradients arrive now
+        self._backward_synced = True
         self._check_dtypes(module, param_dtype)
         self._init_units(module, unit_classes, min_unit_numel, persistence_threshold, param_dtype, grad_dtype)
         self._replace_meta_params()
@@ -482,6 +513,11 @@ class Zero3Engine:
                 self._hook_handles.append(submodule.register_forward_hook(self._make_post_forward(unit)))
         for unit in self.units:
             unit.trainable_count = sum(1 for sp in unit.params if sp.param.requires_grad)
+        # Reverse registration order is backward order; persistent parameters (spread over the
+        # whole model) are complete only at the end, so they come last.
+        self._launch_order = [u for u in reversed(self.units) if u.trainable_count and not u.persistent]
+        self._launch_order += [u for u in self.units if u.trainable_count and u.persistent]
+        self._launch_cursor = 0
         for sp in self.sharded_params.values():
             if sp.param.requires_grad:
                 self._hook_handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -516,6 +552,11 @@ class Zero3Engine:
 
     def _make_pre_forward(self, unit: ShardedUnit, prefetch: bool = True) -> Callable[..., None]:
         def pre_forward(module: nn.Module, args: Any) -> None:
+            if _in_backward():
+                # Activation checkpointing recomputes forward inside backward (and may stop it
+                # early, so no post-hook runs): hold the unit for backward, not by refcount.
+                self._pre_backward(unit) if prefetch else self._hold_for_backward(unit)
+                return
             if torch.is_grad_enabled():
                 self._forward_calls += 1
                 self._call_stack.append(self._forward_calls)
@@ -527,6 +568,8 @@ class Zero3Engine:
 
     def _make_post_forward(self, unit: ShardedUnit) -> Callable[..., Any]:
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+            if _in_backward():
+                return output
             call = self._call_stack.pop() if torch.is_grad_enabled() and self._call_stack else None
             if (call is not None and not self._recording and call == self._forward_tail_call
                     and unit.refcount == 1 and unit not in self._backward_held):
@@ -544,6 +587,12 @@ class Zero3Engine:
             return output
 
         return post_forward
+
+    def _hold_for_backward(self, unit: ShardedUnit) -> None:
+        if unit not in self._backward_held:
+            self._backward_held.add(unit)
+            unit.refcount += 1
+            self._gather(unit, order=None)
 
     def _pre_backward(self, unit: ShardedUnit) -> None:
         # A unit's outputs can be reached more than once in one backward (a tied weight's two
@@ -607,6 +656,9 @@ class Zero3Engine:
     def _on_grad_ready(self, param: Tensor) -> None:
         if param.grad is None:
             return
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_task:
+            self._start_backward(task)
         sp = self.sharded_params[param]  # type: ignore[index]
         unit = sp.unit
         unit.accumulate(sp, param.grad)
@@ -615,10 +667,42 @@ class Zero3Engine:
             listener(sp)
         unit.ready += 1
         if unit.ready == unit.trainable_count:
-            if self.sync_enabled:
-                unit.start_reduce(self.collectives)
             unit.ready = 0
+            if self._backward_synced:
+                unit.ready_to_reduce = True
+                self._launch_ready_reductions()
             self._done_with_backward(unit)
+
+    def _start_backward(self, task: int) -> None:
+        """A new backward: the previous one's unlaunched reductions go first, so that every rank
+        issues one reduction per unit per synchronized backward, in the same order."""
+        self._launch_remaining()
+        for unit in self.units:
+            unit.ready = 0
+        self._backward_task = task
+        self._backward_synced = self.sync_enabled
+
+    def _launch_remaining(self) -> None:
+        if self._backward_task is not None and self._backward_synced:
+            for unit in self._launch_order[self._launch_cursor :]:
+                if not unit.reducing:
+                    unit.ensure_grad_buffer()  # zeros where this rank got no gradient
+                    unit.start_reduce(self.collectives)
+                unit.ready_to_reduce = False
+        self._launch_cursor = 0
+
+    def _launch_ready_reductions(self) -> None:
+        """Starts reductions in one fixed order (reverse unit order, i.e. backward order) on every
+        rank: a unit complete out of turn waits for the units before it. A rank whose backward
+        skipped a parameter then defers the same units to finish_grad_sync, in the same order,
+        instead of issuing collectives in an order the other ranks do not."""
+        while self._launch_cursor < len(self._launch_order):
+            unit = self._launch_order[self._launch_cursor]
+            if not unit.ready_to_reduce:
+                return
+            unit.start_reduce(self.collectives)
+            unit.ready_to_reduce = False
+            self._launch_cursor += 1
 
     def _done_with_backward(self, unit: ShardedUnit) -> None:
         if unit in self._backward_held:
@@ -627,11 +711,18 @@ class Zero3Engine:
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        """Reduces what backward left (in unit order, the same on every rank) and waits for all."""
+        """Reduces what backward left, continuing the fixed launch order, and waits for all.
+
+        Every trainable unit not launched yet is reduced, with a zero gradient where this rank has
+        none: another rank may have one, and all ranks must issue the same collectives.
+        """
         if self.sync_enabled:
-            for unit in self.units:
-                if unit.grad_data is not None and not unit.reducing:
-                    unit.start_reduce(self.collectives)
+            if self._backward_task is None or not self._backward_synced:
+                # gradients accumulated under no_sync only: reduce every unit now, in order
+                self._backward_task, self._backward_synced = -1, True
+                self._launch_cursor = 0
+            self._launch_remaining()
+            self._backward_task = None
             for unit in self.units:
                 unit.finish_reduce()
         self.end_backward()
@@ -640,6 +731,8 @@ class Zero3Engine:
         """Frees whatever backward still holds (units with parameters that got no gradient)."""
         for unit in list(self._backward_held):
             self._done_with_backward(unit)
+        for unit in self.units:
+            unit.ready = 0  # a parameter without a gradient must not count toward the next backward
         if self._forward_order or self._backward_order:
             self._recording = False
         self._forward_calls = 0
@@ -663,12 +756,17 @@ class Zero3Engine:
                 unit.finish_gather()
 
     @torch.no_grad()
-    def gather_to_cpu(self) -> None:
-        """Gives every parameter its own whole CPU tensor, unit by unit (used at teardown)."""
+    def gather_to_cpu(self, from_master: bool) -> None:
+        """Gives every parameter its own whole CPU tensor, unit by unit (used at teardown); with
+        ``from_master``, the fp32 master values (a bf16/fp16-mixed model goes back to fp32)."""
         for unit in self.units:
-            self.acquire(unit)
-            for sp in unit.params:
-                sp.param.data = sp.param.detach().to("cpu", copy=True)
+            if from_master and unit.master is not unit.shard:
+                for sp, value in unit.gather_master_values(self.collectives).items():
+                    sp.param.data = value.to("cpu", copy=True)
+            else:
+                self.acquire(unit)
+                for sp in unit.params:
+                    sp.param.data = sp.param.detach().to("cpu", copy=True)
             unit.refcount = 0
             unit.persistent = False
             unit.free()
@@ -684,7 +782,7 @@ class Zero3Engine:
         finally:
             if writeback:
                 for unit in self.units:
-                    unit.take_shards_from_params()
+                    unit.write_back_changed()
             for unit in self.units:
                 self.release(unit)
 
@@ -698,6 +796,12 @@ class Zero3Engine:
         names = {sp.param: sp.name for sp in self.sharded_params.values()}
         result: dict[str, Tensor] = {}
         for unit in self.units:
+            if unit.master is not unit.shard:
+                # bf16/fp16 parameters: the checkpoint keeps the fp32 master values
+                values = unit.gather_master_values(self.collectives)
+                if keep:
+                    result.update({names[sp.param]: value.cpu().clone() for sp, value in values.items()})
+                continue
             self.acquire(unit)
             if keep:
                 for sp in unit.params:
@@ -896,8 +1000,20 @@ class Zero3Optimizer(ShardedOptimizer):
         self.engine.refresh_gathered()
 
     def _drop_local_grads(self) -> None:
+        self.engine._launch_remaining()  # what other ranks launched, this one must too before dropping
+        mine = {id(sp) for sp in self.params}
         for unit in self._units:
-            unit.drop_grads()
+            if all(id(sp) in mine for sp in unit.params if sp.param.requires_grad):
+                unit.drop_grads()
+            else:
+                # Shared with another optimizer: keep its gradients, drop only ours (our master
+                # pieces are zeroed by zero_grad after this).
+                unit.finish_reduce()
+                if unit.grad_data is not None:
+                    by_rank = unit.grad_data.view(unit.world_size, unit.shard_numel)
+                    for sp in unit.params:
+                        if id(sp) in mine:
+                            by_rank[:, sp.shard_range.start : sp.shard_range.end].zero_()
         for sp in self.params:
             sp.param.grad = None
 
