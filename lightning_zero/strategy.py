@@ -616,9 +616,17 @@ def _check_params_in_one_optimizer(optimizers: list[Optimizer]) -> None:
 
 def _materialize_meta_buffers(module: Module, device: torch.device) -> None:
     """Allocates buffers left on the meta device; ``reset_parameters`` is expected to fill them."""
-    for submodule in module.modules():
+    for prefix, submodule in module.named_modules():
         for name, buffer in list(submodule._buffers.items()):
             if buffer is not None and buffer.is_meta:
+                if not any(True for _ in submodule.parameters(recurse=False)):
+                    # nothing would ever initialize it: no reset_parameters() runs for this module
+                    raise ValueError(
+                        f"Buffer '{prefix + '.' if prefix else ''}{name}' was created on the meta device (configure_model"
+                        f" under ZeRO-3) in {type(submodule).__name__}, which has no parameters, so it would stay"
+                        " uninitialized. Create such buffers in __init__ (outside configure_model), or give the"
+                        " module a parameter and a reset_parameters() that fills the buffer."
+                    )
                 submodule._buffers[name] = torch.empty_like(buffer, device=device)
 
 

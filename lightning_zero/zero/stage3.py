@@ -750,6 +750,7 @@ class Zero3Engine:
     def refresh_gathered(self) -> None:
         """After a step: units whose full parameters are in memory re-gather the updated shards."""
         for unit in self.units:
+            unit.finish_gather()  # a prefetch still in flight carries the old values: redo it
             if unit.state is UnitState.GATHERED:
                 unit.state = UnitState.SHARDED  # the storage stays; only its contents are refreshed
                 unit.start_gather(self.collectives)
@@ -1029,9 +1030,10 @@ class Zero3Optimizer(ShardedOptimizer):
             entry: dict[str, Any] = {}
             for key, value in sorted(self.optimizer.state.get(master, {}).items()):
                 if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == sp.shard_numel:
+                    # on the communication device: offloaded state lives on the CPU, NCCL cannot gather it
                     full = torch.empty(sp.shard_numel * self.collectives.world_size, dtype=value.dtype,
-                                       device=value.device)
-                    self.collectives.all_gather(full, value.contiguous()).wait()
+                                       device=self.comm_device)
+                    self.collectives.all_gather(full, value.to(self.comm_device).contiguous()).wait()
                     value = full[: sp.numel].view(sp.param.shape).cpu()
                 elif isinstance(value, Tensor):
                     value = value.clone()
