@@ -42,6 +42,36 @@ class RankDependentGPT(TinyGPT):
         return self.head(self.norm(self.block(hidden)))
 
 
+class FrozenBlocksGPT(TiedGPT):
+    """Prompt-tuning shape: the blocks are frozen, gradient flows through them to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = self.norm.normalized_shape[0]
+        self.blocks.extend(
+            nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=2 * width, dropout=0.0, batch_first=True,
+                                       bias=False)
+            for _ in range(4)
+        )
+        for param in self.blocks.parameters():
+            param.requires_grad = False
+
+
+class PeakGathered(Callback):
+    def __init__(self) -> None:
+        self.stats: dict[str, int] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        engine = trainer.strategy.engine
+        self.stats = {
+            "peak": engine.peak_param_bytes,
+            "shards": sum(u.shard.numel() * u.shard.element_size() for u in engine.units),
+            "largest": max(u.full_bytes for u in engine.units),
+            "root": engine.root_unit.full_bytes if engine.root_unit is not None else 0,
+            "all": sum(u.full_bytes for u in engine.units),
+        }
+
+
 class EngineState(Callback):
     def __init__(self) -> None:
         self.refcounts: list[list[int]] = []
@@ -81,7 +111,11 @@ def _cases() -> dict[str, Any]:
     zero3_blocks = {"stage": 3, "unit_modules": ("TransformerEncoderLayer",)}
     state = EngineState()
     read_only = ReadOnlyGather()
+    frozen_peak = PeakGathered()
     return {
+        "frozen_ddp": _run(FrozenBlocksGPT, "ddp"),
+        "frozen_zero3": _run(FrozenBlocksGPT, ZeroStrategy(config=ZeroConfig(**zero3)), callbacks=[frozen_peak]),
+        "frozen_peak": frozen_peak.stats,
         "ckpt_ddp": _run(CheckpointedGPT, "ddp"),
         "ckpt_zero3": _run(CheckpointedGPT, ZeroStrategy(config=ZeroConfig(**zero3)), callbacks=[state]),
         "ckpt_state": {"refcounts": state.refcounts, "gathered": state.gathered_bytes},
@@ -126,6 +160,14 @@ def test_parameter_used_on_one_rank_only_matches_ddp_find_unused(
 ) -> None:
     for per_rank in results:
         _assert_matches(per_rank[case], per_rank[reference])
+
+
+def test_frozen_units_are_freed_after_their_backward(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        _assert_matches(per_rank["frozen_zero3"], per_rank["frozen_ddp"])
+        stats = per_rank["frozen_peak"]
+        # not every unit at once at the end of backward: the shards, the root, and a few units
+        assert stats["peak"] <= stats["shards"] + stats["root"] + 3 * stats["largest"] < stats["shards"] + stats["all"]
 
 
 def test_read_only_gather_keeps_bf16_masters(results: list[dict[str, Any]]) -> None:

@@ -152,6 +152,7 @@ class ShardedUnit:
         self.refcount = 0
         self.ready = 0
         self.ready_to_reduce = False
+        self.pending_input_grads = 0  # frozen units: calls whose input gradients are still to come
         self.trainable_count = len(self.params)
         self.reducing = False
         self._gather_out: Tensor | None = None
@@ -584,9 +585,26 @@ class Zero3Engine:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, lambda grads: self._pre_backward(unit), mode="any"
                     )
+                if tensors and unit.trainable_count == 0:
+                    self._release_after_input_grads(unit, args)
             return output
 
         return post_forward
+
+    def _release_after_input_grads(self, unit: ShardedUnit, args: Any) -> None:
+        """A frozen unit gets no parameter gradient to say its backward is over; the gradients of
+        its inputs do (as FSDP2 releases after backward), once for every call of the unit."""
+        inputs = [t for t in tree_flatten(args)[0] if isinstance(t, Tensor) and t.requires_grad]
+        if not inputs:
+            return
+        unit.pending_input_grads += 1
+
+        def done(grads: Any) -> None:
+            unit.pending_input_grads -= 1
+            if unit.pending_input_grads == 0:
+                self._done_with_backward(unit)
+
+        torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all")
 
     def _hold_for_backward(self, unit: ShardedUnit) -> None:
         if unit not in self._backward_held:
@@ -733,6 +751,7 @@ class Zero3Engine:
             self._done_with_backward(unit)
         for unit in self.units:
             unit.ready = 0  # a parameter without a gradient must not count toward the next backward
+            unit.pending_input_grads = 0
         if self._forward_order or self._backward_order:
             self._recording = False
         self._forward_calls = 0
