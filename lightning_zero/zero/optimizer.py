@@ -121,6 +121,7 @@ class ShardedOptimizer(Optimizer):
         self._had_grad = torch.zeros(0, dtype=torch.int32)
         self.comm_device = torch.device("cpu")  # where small collectives run; subclasses set it
         self._fused_last: set[int] = set()  # masters the C++ CPU step updated (and staged) last
+        self._staging: dict[int, Tensor] = {}  # id(master) -> low-precision staging (offload)
 
     def _finish_init(self, num_trainable: int) -> None:
         self._had_grad = torch.zeros(num_trainable, dtype=torch.int32)
@@ -291,7 +292,7 @@ class ShardedOptimizer(Optimizer):
 
     def _staging_of(self, master: Tensor) -> Tensor | None:
         """The pinned low-precision buffer the CPU step writes for ``master``, if any."""
-        return None
+        return self._staging.get(id(master))
 
     def _grad_coefficient_now(self) -> Tensor | float:
         if self._grad_coefficient is None:
@@ -385,6 +386,22 @@ class ShardedOptimizer(Optimizer):
             )
         consolidated, self._consolidated = self._consolidated, None
         return consolidated
+
+    def _indexed_param_groups(self, index_of: dict[nn.Parameter, int]) -> list[dict[str, Any]]:
+        """The param groups in torch's state-dict form: hyperparameters and parameter indices."""
+        return [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [index_of[p] for p in params]}
+            for group, params in zip(self.param_groups, self._group_params)
+        ]
+
+    def _begin_load(self, state_dict: dict[str, Any]) -> dict[nn.Parameter, Any]:
+        """Checks a torch-format state, takes its hyperparameters and clears the current state;
+        returns each parameter's index in the saved state."""
+        saved_index = _check_full_optimizer_state(state_dict, self._group_params, type(self.optimizer).__name__)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.optimizer.state.clear()
+        return saved_index
 
     def _param_indices(self) -> dict[nn.Parameter, int]:
         index_of: dict[nn.Parameter, int] = {}
@@ -512,8 +529,6 @@ class ZeroOptimizer(ShardedOptimizer):
     def _group_masters(self) -> list[list[Tensor]]:
         return [[bucket.master for buffer in group_buffers for bucket in buffer.buckets] for group_buffers in self.buffers]
 
-    def _staging_of(self, master: Tensor) -> Tensor | None:
-        return self._staging.get(id(master))
 
     def _param_names(self) -> dict[int, str]:
         return {slot.index: slot.name for _, _, slot in self._slot_of.values()}
@@ -656,20 +671,13 @@ class ZeroOptimizer(ShardedOptimizer):
                         entry[key] = slot.bucket_range.slice(full).view_as(slot.param).cpu().clone()
                     else:
                         entry[key] = value.clone() if isinstance(value, Tensor) else value
-        groups = []
-        for group, params in zip(self.param_groups, self._group_params):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**hyper, "params": [index_of[p] for p in params]})
-        self._consolidated = {"state": state, "param_groups": groups} if keep else None
+        self._consolidated = {"state": state, "param_groups": self._indexed_param_groups(index_of)} if keep else None
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a full-format state (from any world size, or from plain torch.optim) into this rank's shards."""
-        saved_index = _check_full_optimizer_state(state_dict, self._group_params, type(self.optimizer).__name__)
+        saved_index = self._begin_load(state_dict)
         saved_state: dict[Any, dict[str, Any]] = state_dict["state"]
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        self.optimizer.state.clear()
         for bucket in self.buckets:
             self._load_bucket_state(bucket, saved_state, saved_index)
 

@@ -41,7 +41,7 @@ from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
 from lightning_zero.zero.flat_buffer import Range, _round_up
-from lightning_zero.zero.optimizer import ShardedOptimizer, SyncState, _check_full_optimizer_state
+from lightning_zero.zero.optimizer import ShardedOptimizer, SyncState
 
 
 class UnitState(enum.Enum):
@@ -1008,9 +1008,6 @@ class Zero3Optimizer(ShardedOptimizer):
             self.engine.finish_grad_sync()
         self._sync_state = SyncState.SYNCED
 
-    def _staging_of(self, master: Tensor) -> Tensor | None:
-        return self._staging.get(id(master))
-
     def _publish_params(self) -> None:
         with torch.no_grad():
             for unit in self._units:
@@ -1059,18 +1056,11 @@ class Zero3Optimizer(ShardedOptimizer):
                 entry[key] = value
             if keep and entry:
                 state[index_of[sp.param]] = entry
-        groups = []
-        for group, params in zip(self.param_groups, self._group_params):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**hyper, "params": [index_of[p] for p in params]})
-        self._consolidated = {"state": state, "param_groups": groups} if keep else None
+        self._consolidated = {"state": state, "param_groups": self._indexed_param_groups(index_of)} if keep else None
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        saved_index = _check_full_optimizer_state(state_dict, self._group_params, type(self.optimizer).__name__)
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        self.optimizer.state.clear()
+        saved_index = self._begin_load(state_dict)
         rank = self.collectives.rank
         for sp in self.params:
             saved = state_dict["state"].get(saved_index[sp.param])
