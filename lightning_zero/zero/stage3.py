@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -403,8 +403,7 @@ class Zero3Engine:
         unit_modules = _choose_unit_modules(module, unit_classes, min_unit_numel)
         # Each parameter belongs to the innermost unit module that registers it first.
         for prefix, submodule in module.named_modules():
-            unit_prefix = max((p for p in unit_modules if prefix == p or prefix.startswith(p + ".") or p == ""),
-                              key=len)
+            unit_prefix = _innermost_prefix(prefix, unit_modules)
             for name, param in submodule.named_parameters(recurse=False):
                 if param not in owner_of:
                     owner_of[param] = (unit_prefix, unit_modules[unit_prefix])
@@ -524,15 +523,10 @@ class Zero3Engine:
                 self._hook_handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _enclosing_unit(self, prefix: str) -> ShardedUnit | None:
-        best: ShardedUnit | None = None
-        best_len = -1
-        for unit in self.units:
-            if unit.module is None:
-                continue
-            unit_prefix = "" if unit is self.root_unit else unit.name
-            if (prefix == unit_prefix or prefix.startswith(unit_prefix + ".") or unit_prefix == "") and len(unit_prefix) > best_len:
-                best, best_len = unit, len(unit_prefix)
-        return best
+        by_prefix = {("" if unit is self.root_unit else unit.name): unit for unit in self.units if unit.module is not None}
+        if "" not in by_prefix:
+            by_prefix[""] = None  # type: ignore[assignment]  # no root unit: the root encloses nothing
+        return by_prefix[_innermost_prefix(prefix, by_prefix)]
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -870,6 +864,11 @@ class Zero3Engine:
         for key, buffer in self.module.named_buffers():
             if key in buffers:
                 buffer.copy_(buffers[key])
+
+
+def _innermost_prefix(prefix: str, candidates: Iterable[str]) -> str:
+    """The longest candidate module prefix that contains the module at ``prefix`` ("" contains all)."""
+    return max((c for c in candidates if c == "" or prefix == c or prefix.startswith(c + ".")), key=len)
 
 
 def _choose_unit_modules(module: nn.Module, unit_classes: Sequence[str], min_unit_numel: int) -> dict[str, nn.Module | None]:
