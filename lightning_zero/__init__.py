@@ -6,6 +6,7 @@ variants) with Lightning, so ``Trainer(strategy="zero2")`` works. Importing neve
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.checkpoint import CheckpointError, consolidate
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
@@ -30,6 +31,7 @@ def _register_strategies() -> None:
 _register_strategies()
 
 __all__ = [
+    "CheckpointError",
     "CPUOffloadPolicy",
     "Collectives",
     "CountingCollectives",
@@ -41,5 +43,6 @@ __all__ = [
     "ZeroOptimizer",
     "ZeroPrecision",
     "ZeroStrategy",
+    "consolidate",
     "model_state_bytes",
 ]

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -27,7 +28,8 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -41,17 +43,37 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.full import load_full_checkpoint
+from lightning_zero.checkpoint.sharded import (
+    META_KEY,
+    MODEL_KEY,
+    CheckpointMeta,
+    is_sharded_checkpoint,
+    optimizer_key,
+    resolve_checkpoint_path,
+    save_sharded,
+)
+from lightning_zero.checkpoint.state import (
+    check_full_optimizer_states,
+    check_full_state_fits,
+    load_into,
+    model_entries,
+    optimizer_entries,
+    param_names,
+    tied_aliases,
+)
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
-from lightning_zero.zero.optimizer import ShardedOptimizer, ZeroOptimizer, no_sync
+from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, ZeroOptimizer, no_sync
 from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
 
 log = logging.getLogger(__name__)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+StateDictType = Literal["sharded", "full"]
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -67,6 +89,10 @@ class ZeroStrategy(ParallelStrategy):
             default, as for ``ddp``), ``"spawn"``/``"fork"`` start them from this process.
         collectives: a :class:`~lightning_zero.zero.Collectives` to use instead of one built over the
             world group, e.g. a :class:`~lightning_zero.zero.CountingCollectives` to audit traffic.
+        state_dict_type: ``"sharded"`` (default): checkpoints are directories written by every rank in
+            parallel with torch.distributed.checkpoint, loadable at any world size and stage, and
+            exported to one file with ``lightning-zero consolidate``. ``"full"``: one file written by
+            rank 0 after gathering the weights and optimizer state (only for models that fit in its RAM).
     """
 
     strategy_name = "zero"
@@ -84,6 +110,7 @@ class ZeroStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
         collectives: Collectives | CountingCollectives | None = None,
+        state_dict_type: StateDictType = "sharded",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -97,6 +124,10 @@ class ZeroStrategy(ParallelStrategy):
             raise ValueError(
                 f"ZeroStrategy(start_method={start_method!r}) is not one of 'popen', 'spawn', 'fork', 'forkserver'."
             )
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"ZeroStrategy(state_dict_type={state_dict_type!r}) is not one of 'sharded', 'full'.")
+        self._state_dict_type = state_dict_type
+        self._checkpoint_applied = False  # the last load_checkpoint already put weights/optimizer in place
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -459,17 +490,38 @@ class ZeroStrategy(ParallelStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        # Stage 3 loads weights into the shards, which exist only after setup.
-        return self.config.stage == 3
+        # Checkpoints load into the masters and shards, which exist only after setup.
+        return True
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        """What the next checkpoint save writes (see the constructor); may be changed between saves."""
+        return self._state_dict_type
+
+    @state_dict_type.setter
+    def state_dict_type(self, value: StateDictType) -> None:
+        if value not in ("sharded", "full"):
+            raise ValueError(f"ZeroStrategy.state_dict_type={value!r} is not one of 'sharded', 'full'.")
+        self._state_dict_type = value
+
+    def _model_pieces(self) -> list[ParamPiece]:
+        """This rank's fp32 master piece of every parameter that has one (all at stage 3; at
+        stages 1/2 those the optimizers train)."""
+        if self._engine is not None:
+            return self._engine.param_pieces()
+        return [piece for optimizer in self.zero_optimizers for piece in optimizer.param_pieces()]
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole weights on rank 0 (a collective). With bf16/fp16 parameters, the fp32 master
-        values, so that a checkpoint loses nothing of the weights being trained."""
-        if self._engine is not None:
-            return self._engine.full_state_dict()
+        """Sharded checkpoints: this rank's pieces (fp32 masters) and the replicated rest, no
+        communication. Full: the whole weights on rank 0 (a collective); with bf16/fp16
+        parameters, the fp32 master values, so a checkpoint loses nothing of the weights trained."""
         module = self.lightning_module
         assert module is not None
+        if self._state_dict_type == "sharded":
+            return model_entries(module, self._model_pieces(), group=None)
+        if self._engine is not None:
+            return self._engine.full_state_dict()
         masters = self._master_values(keep=self.is_global_zero)
         if not masters:
             return module.state_dict()
@@ -492,10 +544,121 @@ class ZeroStrategy(ParallelStrategy):
         return values
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self._state_dict_type == "sharded" and isinstance(inner, ShardedOptimizer):
+            module = self.lightning_module
+            assert module is not None
+            entries, description = optimizer_entries(inner, param_names(module), group=None)
+            return {"state": entries, META_KEY: description}
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if self._state_dict_type == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                "ZeroStrategy(state_dict_type='sharded').save_checkpoint(..., storage_options=...) is not supported:"
+                " sharded checkpoints are written by torch.distributed.checkpoint, not the CheckpointIO plugin."
+            )
+        module = self.lightning_module
+        assert module is not None
+        path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's path
+        checkpoint = dict(checkpoint)
+        state: dict[str, Any] = {MODEL_KEY: checkpoint.pop("state_dict")}
+        descriptions = []
+        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[optimizer_key(index)] = optimizer_state["state"]
+            descriptions.append(optimizer_state[META_KEY])
+        if self.global_rank == 0:
+            module_state = module.state_dict(keep_vars=True)
+            meta = CheckpointMeta(
+                world_size=self.world_size,
+                stage=self.config.stage,
+                model_keys=list(module_state),
+                aliases=tied_aliases(module),
+                param_dtypes={k: str(v.dtype) for k, v in module_state.items() if isinstance(v, torch.nn.Parameter)},
+                optimizers=descriptions,
+                lightning=checkpoint,
+            )
+            state[META_KEY] = meta.to_entry()
+        save_sharded(path, state, group=None)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Sharded checkpoints (any world size and stage) load straight into this rank's pieces;
+        full ones (DDP's, a consolidated export, a .safetensors file) are checked, then loaded by
+        ``load_model_state_dict``/``load_optimizer_state_dict``. A checkpoint without optimizer
+        state starts the optimizers (and LR schedulers) afresh, with a warning."""
+        module = self.lightning_module
+        assert module is not None
+        trainer = module._trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        path = resolve_checkpoint_path(checkpoint_path)
+        if is_sharded_checkpoint(path) or path.is_dir():
+            optimizers = self.zero_optimizers if fitting else None
+            meta = load_into(path, module, self._model_pieces(), optimizers, group=None, strict=module.strict_loading)
+            with torch.no_grad():
+                if self._engine is not None:
+                    self._engine.publish_masters()
+                else:
+                    for optimizer in self.zero_optimizers:
+                        optimizer.publish_params()
+            self._checkpoint_applied = True
+            checkpoint = dict(meta.lightning)
+            has_optimizer_state = bool(meta.optimizers)
+            if has_optimizer_state:
+                checkpoint["optimizer_states"] = []  # already in place; Lightning only checks the key
+        else:
+            checkpoint = load_full_checkpoint(path)
+            check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading)
+            has_optimizer_state = "optimizer_states" in checkpoint
+            if fitting and has_optimizer_state:
+                check_full_optimizer_states(path, checkpoint["optimizer_states"], self.zero_optimizers)
+            self._checkpoint_applied = False
+        checkpoint.setdefault("pytorch-lightning_version", pl.__version__)
+        if fitting and not has_optimizer_state:
+            self._start_training_state_afresh(checkpoint, path)
+        return checkpoint
+
+    def _start_training_state_afresh(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """A weights-only checkpoint resumes the weights; optimizers and LR schedulers keep the
+        state they have now (fresh), instead of Lightning's KeyError."""
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        rank_zero_only(log.warning)(
+            f"{path} holds no optimizer state (a weights-only checkpoint): the weights are loaded, the"
+            " optimizers and LR schedulers start fresh."
+        )
+        checkpoint["optimizer_states"] = []
+        checkpoint["lr_schedulers"] = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs] \
+            if trainer is not None else []
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._engine is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        self._engine.load_full_state_dict(dict(checkpoint["state_dict"]), strict=strict)
+        if self._checkpoint_applied:
+            return
+        state = dict(checkpoint["state_dict"])
+        module = self.lightning_module
+        assert module is not None
+        if self._engine is not None:
+            self._engine.load_full_state_dict(state, strict=strict)
+            return
+        module.load_state_dict(state, strict=strict)
+        params = {key: value for key, value in module.state_dict(keep_vars=True).items()
+                  if isinstance(value, torch.nn.Parameter)}
+        values = {params[key]: value for key, value in state.items() if key in params}
+        for optimizer in self.zero_optimizers:
+            if isinstance(optimizer, ZeroOptimizer):
+                optimizer.load_master_values(values)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._checkpoint_applied or not checkpoint.get("optimizer_states"):
+            return
+        super().load_optimizer_state_dict(checkpoint)
 
     @contextmanager
     @override

@@ -71,7 +71,8 @@ def _gan(strategy: Any) -> dict[str, Any]:
 
 def _checkpoint_round_trip(directory: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, strategy in (("ddp", "ddp"), ("zero", ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=700)))):
+    for name, strategy in (("ddp", "ddp"), ("zero", ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=700),
+                                                                       state_dict_type="full"))):
         pl.seed_everything(0)
         module = TinyGPT(scheduler=True)
         trainer = fit(module, strategy, WORLD, steps=6)

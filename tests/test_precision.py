@@ -81,7 +81,7 @@ def _skipped_steps_keep_the_schedule(directory: str) -> dict[str, Any]:
     # 2**28 overflows fp16 gradients: the scale halves (no hysteresis) until they fit.
     plugin = ZeroPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale_power=28, hysteresis=1))
     with launched_environment():
-        trainer = _trainer(ZeroStrategy(stage=2), 20, plugins=[plugin], gradient_clip_val=1.0)
+        trainer = _trainer(ZeroStrategy(stage=2, state_dict_type="full"), 20, plugins=[plugin], gradient_clip_val=1.0)
         trainer.fit(module, train_dataloaders=loader())
         path = os.path.join(directory, "fp16.ckpt")
         trainer.save_checkpoint(path)

@@ -22,6 +22,7 @@ import contextlib
 import enum
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives
-from lightning_zero.zero.flat_buffer import Bucket, FlatParamBuffer, GradState, ParamSlot
+from lightning_zero.zero.flat_buffer import Bucket, FlatParamBuffer, GradState, ParamSlot, Range
 
 # Optimizers whose update of one element depends only on that element's gradient and state.
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
@@ -78,6 +79,26 @@ def check_shardable(optimizer: Optimizer, config: ZeroConfig) -> None:
         f" Known elementwise optimizers: {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}. If {name}'s"
         " update is elementwise, set ZeroConfig(allow_unknown_optimizer=True)."
     )
+
+
+@dataclass(frozen=True)
+class ParamPiece:
+    """This rank's part of one parameter's fp32 master (and optimizer state), and every rank's part.
+
+    Indices of ``ranges`` are in the flattened parameter; a sharded checkpoint saves each rank's
+    range as boxes of the parameter's true shape (see [Note: checkpoint layout] in
+    lightning_zero/checkpoint/sharded.py).
+    """
+
+    param: nn.Parameter
+    name: str
+    ranges: tuple[Range, ...]  # rank r holds ranges[r] of the flattened parameter (maybe empty)
+    holder: Tensor  # the 1-d fp32 master tensor the wrapped optimizer's state is keyed by
+    in_holder: Range  # where this rank's range lies inside ``holder`` and its per-element state
+
+    @property
+    def master(self) -> Tensor:
+        return self.in_holder.slice(self.holder)
 
 
 class ShardedOptimizer(Optimizer):
@@ -148,6 +169,16 @@ class ShardedOptimizer(Optimizer):
     def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
         """(parameter storage the layout owns, gradient tensors, fp32 master tensors) on this rank."""
         raise NotImplementedError
+
+    def param_pieces(self) -> list[ParamPiece]:
+        """Every trainable parameter's master piece on this rank, in param-group order."""
+        raise NotImplementedError
+
+    def publish_params(self) -> None:
+        """Makes the model's parameters equal the master values (a collective), e.g. after the
+        masters were loaded from a checkpoint."""
+        with torch.no_grad():
+            self._publish_params()
 
     def finish_grad_sync(self) -> None:
         raise NotImplementedError
@@ -533,6 +564,24 @@ class ZeroOptimizer(ShardedOptimizer):
     def _param_names(self) -> dict[int, str]:
         return {slot.index: slot.name for _, _, slot in self._slot_of.values()}
 
+    def param_pieces(self) -> list[ParamPiece]:
+        pieces = []
+        rank, world = self.collectives.rank, self.collectives.world_size
+        for bucket in self.buckets:
+            chunk = bucket.shard_numel
+            for slot in bucket.slots:
+                start, end = slot.bucket_range.start, slot.bucket_range.end
+                # rank r's chunk of the bucket, intersected with this parameter, in its own index space
+                ranges = tuple(
+                    Range(min(max(r * chunk, start), end) - start, max(min((r + 1) * chunk, end), start) - start)
+                    for r in range(world)
+                )
+                own = ranges[rank]
+                offset = start + own.start - rank * chunk  # where the own range starts in the master chunk
+                in_holder = Range(offset, offset + own.size) if own.size else Range(0, 0)
+                pieces.append(ParamPiece(slot.param, slot.name, ranges, bucket.master, in_holder))
+        return pieces
+
     def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
         grads: list[Tensor | None] = [bucket.master_grad for bucket in self.buckets]
         grads += [bucket.grad_data for bucket in self.buckets]
@@ -672,6 +721,16 @@ class ZeroOptimizer(ShardedOptimizer):
                     else:
                         entry[key] = value.clone() if isinstance(value, Tensor) else value
         self._consolidated = {"state": state, "param_groups": self._indexed_param_groups(index_of)} if keep else None
+
+    @torch.no_grad()
+    def load_master_values(self, values: dict[nn.Parameter, Tensor]) -> None:
+        """Sets the fp32 masters of the given parameters from their whole values (no communication:
+        each rank takes its chunk), e.g. from a full checkpoint."""
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                value = values.get(slot.param)
+                if value is not None:
+                    self._scatter_into_shard(bucket, slot, value.to(bucket.master.device, torch.float32), bucket.master)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]

@@ -41,7 +41,7 @@ from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
 from lightning_zero.zero.flat_buffer import Range, _round_up
-from lightning_zero.zero.optimizer import ShardedOptimizer, SyncState
+from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, SyncState
 
 
 class UnitState(enum.Enum):
@@ -68,6 +68,18 @@ class ShardedParam:
     @property
     def shard(self) -> Tensor:
         return self.shard_range.slice(self.unit.shard)
+
+    def piece_ranges(self) -> tuple[Range, ...]:
+        """Rank r's piece in the flattened parameter (the padding past ``numel`` belongs to nobody)."""
+        return tuple(
+            Range(min(r * self.shard_numel, self.numel), min((r + 1) * self.shard_numel, self.numel))
+            for r in range(self.unit.world_size)
+        )
+
+    def piece(self, holder: Tensor) -> ParamPiece:
+        """This parameter's master piece described for checkpoints; ``holder`` is its master tensor."""
+        ranges = self.piece_ranges()
+        return ParamPiece(self.param, self.name, ranges, holder, Range(0, ranges[self.unit.rank].size))
 
     @property
     def master(self) -> Tensor:
@@ -800,6 +812,18 @@ class Zero3Engine:
             for unit in self.units:
                 self.release(unit)
 
+    def param_pieces(self) -> list[ParamPiece]:
+        """Every parameter's fp32 master piece on this rank (frozen ones included)."""
+        return [sp.piece(sp.master) for unit in self.units for sp in unit.params]
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """After the masters were written (a checkpoint load): the parameter shards take their
+        values, and units gathered now re-gather (a collective)."""
+        for unit in self.units:
+            unit.publish_master(unit.params, staged=False)
+        self.refresh_gathered()
+
     @torch.no_grad()
     def full_state_dict(self, to: int = 0) -> dict[str, Tensor]:
         """The module's state dict with whole parameters, on rank ``to`` (CPU); others get {}.
@@ -984,6 +1008,12 @@ class Zero3Optimizer(ShardedOptimizer):
 
     def _param_names(self) -> dict[int, str]:
         return {self._local_index[id(sp)]: sp.name for sp in self.params}
+
+    def param_pieces(self) -> list[ParamPiece]:
+        return [sp.piece(self._master_of[id(sp)][0]) for sp in self.params]
+
+    def publish_params(self) -> None:
+        self.engine.publish_masters()
 
     def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
         grads: list[Tensor | None] = [unit.master_grad for unit in self._units]

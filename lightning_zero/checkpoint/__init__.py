@@ -1,0 +1,7 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) that load at any world size and stage,
+and their streamed export to one ``.pt`` or ``.safetensors`` file."""
+
+from lightning_zero.checkpoint.consolidate import consolidate
+from lightning_zero.checkpoint.sharded import CheckpointError, CheckpointMeta, is_sharded_checkpoint
+
+__all__ = ["CheckpointError", "CheckpointMeta", "consolidate", "is_sharded_checkpoint"]

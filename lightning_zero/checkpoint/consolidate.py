@@ -1,0 +1,238 @@
+"""Export of a sharded checkpoint to one file, streamed tensor by tensor.
+
+A checkpoint of a model larger than one host's RAM must still become one file: each tensor is
+read from the shards (DCP reads just the boxes it needs), cast, written to the output and freed
+before the next is read, so peak memory is about the largest tensor, not the model. Works on a
+machine without GPUs or a process group.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from lightning_zero.checkpoint.serialization import TensorRef, save_safetensors_streamed, save_torch_streamed
+from lightning_zero.checkpoint.sharded import (
+    MODEL_KEY,
+    CheckpointError,
+    CheckpointMeta,
+    optimizer_key,
+    quiet_dcp,
+    read_meta,
+    read_metadata,
+    resolve_checkpoint_path,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What a weights-only export keeps of Lightning's checkpoint besides the weights.
+_WEIGHTS_ONLY_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hparams_name", "hyper_parameters",
+                      "hparams_type", "datamodule_hparams_name", "datamodule_hyper_parameters")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor to read from the checkpoint (``source``, its DCP key) and write (``key``)."""
+
+    key: str
+    source: str
+    shape: tuple[int, ...]
+    saved_dtype: torch.dtype
+    dtype: torch.dtype  # in the output
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.saved_dtype).element_size()
+
+
+def consolidate(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
+    weights_only: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Writes the sharded checkpoint at ``checkpoint`` as one file, streamed shard by shard.
+
+    ``output`` ending in ``.safetensors``: the module's state dict (weights only, tied weights
+    written under each name). Otherwise a Lightning checkpoint for ``torch.load``,
+    ``LightningModule.load_from_checkpoint`` and ``trainer.fit(ckpt_path=...)`` with any strategy:
+    the weights, and unless ``weights_only`` the optimizer states in torch's format, LR
+    schedulers, loops and callbacks. ``dtype`` casts the floating-point weights (optimizer state
+    stays as saved). Returns the output path.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"consolidate(dtype={dtype!r}) is not one of {', '.join(map(repr, DTYPES))}.")
+    source = resolve_checkpoint_path(checkpoint)
+    if not source.is_dir():
+        raise CheckpointError(f"{source} is a file, not a sharded checkpoint directory: it is already consolidated.")
+    metadata = read_metadata(source)
+    meta = read_meta(source, metadata)
+    target = Path(output)
+    out_dtype = DTYPES[dtype]
+    model = _model_entries(source, metadata, meta, out_dtype)
+    if target.suffix == ".safetensors":
+        extra = [k for k, v in model.items() if not isinstance(v, _Entry)]
+        if extra:
+            raise CheckpointError(f"{source} holds non-tensor module state ({extra[:5]}) that safetensors cannot store;"
+                                  " export to a .pt file instead.")
+        entries = list(model.values())
+        specs = {e.key: (e.dtype, e.shape) for e in entries}  # type: ignore[union-attr]
+        info = {"format": "pt", "lightning_zero_source": str(source), "global_step": str(meta.lightning.get("global_step"))}
+        save_safetensors_streamed(target, specs, _stream(source, entries, progress, by_key=True), metadata=info)
+        return target
+    structure: dict[str, Any]
+    if weights_only or not meta.optimizers:
+        structure = {k: v for k, v in meta.lightning.items() if k in _WEIGHTS_ONLY_KEYS}
+        optimizer_entries: list[_Entry] = []
+    else:
+        structure = dict(meta.lightning)
+        states, optimizer_entries = _optimizer_states(source, metadata, meta)
+        structure["optimizer_states"] = states
+    structure["state_dict"] = {
+        key: TensorRef(entry.source, entry.dtype, entry.shape) if isinstance(entry, _Entry) else entry
+        for key, entry in model.items()
+    }
+    tensors = {e.source: e for e in model.values() if isinstance(e, _Entry)}
+    tensors.update({e.source: e for e in optimizer_entries})
+    save_torch_streamed(target, structure, _stream(source, list(tensors.values()), progress, by_key=False))
+    return target
+
+
+def _model_entries(path: Path, metadata: Metadata, meta: CheckpointMeta, dtype: torch.dtype) -> dict[str, Any]:
+    """The module's state dict in order: an _Entry per tensor, the value itself for extra state."""
+    result: dict[str, Any] = {}
+    objects: list[tuple[str, str]] = []
+    for key in meta.model_keys:
+        source = f"{MODEL_KEY}.{meta.aliases.get(key, key)}"
+        md = metadata.state_dict_metadata.get(source)
+        if isinstance(md, TensorStorageMetadata):
+            saved = md.properties.dtype
+            result[key] = _Entry(key, source, tuple(md.size), saved, dtype if saved.is_floating_point else saved)
+        elif isinstance(md, BytesStorageMetadata):
+            result[key] = None
+            objects.append((key, source))
+        else:
+            raise CheckpointError(f"{path} lists '{key}' in the model but holds no data for it: the checkpoint is damaged.")
+    if objects:
+        values = _read_objects(path, [source for _, source in objects])
+        for key, source in objects:
+            result[key] = values[source]
+    return result
+
+
+def _optimizer_states(path: Path, metadata: Metadata, meta: CheckpointMeta) -> tuple[list[dict[str, Any]], list[_Entry]]:
+    """Torch-format optimizer states (parameters numbered in param-group order) with TensorRefs."""
+    states: list[dict[str, Any]] = []
+    entries: list[_Entry] = []
+    objects: dict[str, tuple[int, int, str]] = {}
+    for number, saved in enumerate(meta.optimizers):
+        prefix = optimizer_key(number)
+        index = {}
+        for group in saved["param_groups"]:
+            for name in group["params"]:
+                index[name] = len(index)
+        state: dict[int, dict[str, Any]] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if not fqn.startswith(prefix + "."):
+                continue
+            name, state_key = fqn[len(prefix) + 1 :].rsplit(".", 1)
+            if name not in index:
+                raise CheckpointError(f"{path} holds optimizer state for '{name}', which no param group lists: the"
+                                      " checkpoint is damaged.")
+            if isinstance(md, TensorStorageMetadata):
+                entry = _Entry(fqn, fqn, tuple(md.size), md.properties.dtype, md.properties.dtype)
+                entries.append(entry)
+                state.setdefault(index[name], {})[state_key] = TensorRef(fqn, entry.dtype, entry.shape)
+            else:
+                objects[fqn] = (number, index[name], state_key)
+                state.setdefault(index[name], {})[state_key] = None
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+                  for g in saved["param_groups"]]
+        states.append({"state": dict(sorted(state.items())), "param_groups": groups})
+    if objects:
+        values = _read_objects(path, list(objects))
+        for fqn, (number, param_index, state_key) in objects.items():
+            states[number]["state"][param_index][state_key] = values[fqn]
+    return states, entries
+
+
+def _read_objects(path: Path, keys: list[str]) -> dict[str, Any]:
+    holder: dict[str, Any] = dict.fromkeys(keys)
+    with quiet_dcp():
+        dcp.load(holder, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    for key, value in holder.items():
+        if isinstance(value, io.BytesIO):
+            value.seek(0)
+            holder[key] = torch.load(value, map_location="cpu", weights_only=False)
+    return holder
+
+
+def _stream(path: Path, entries: list[_Entry], progress: bool, by_key: bool) -> Iterator[tuple[str, Tensor]]:
+    """Reads the entries in batches of at most the largest tensor's bytes (so small tensors do not
+    each cost a DCP call) and yields each as (output key if ``by_key`` else its source, tensor)."""
+    budget = max([e.nbytes for e in entries] + [1 << 20])
+    total = sum(e.nbytes for e in entries)
+    reader = dcp.FileSystemReader(path)
+    bar = _progress_bar(progress, path, total)
+    try:
+        batch: list[_Entry] = []
+        size = 0
+        for entry in entries + [None]:  # type: ignore[list-item]
+            if entry is not None and (not batch or size + entry.nbytes <= budget):
+                batch.append(entry)
+                size += entry.nbytes
+                continue
+            if batch:
+                loaded = _read_batch(reader, batch)
+                for item in batch:
+                    yield (item.key if by_key else item.source), loaded[item.source].to(item.dtype)
+                    if bar is not None:
+                        bar.advance(item.nbytes)
+                del loaded
+            batch, size = ([entry], entry.nbytes) if entry is not None else ([], 0)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _read_batch(reader: dcp.FileSystemReader, batch: list[_Entry]) -> dict[str, Tensor]:
+    """Whole tensors for one batch (DCP fills each from every shard that overlaps it)."""
+    targets: dict[str, Tensor] = {}
+    for item in batch:
+        if item.source not in targets:
+            targets[item.source] = torch.empty(item.shape, dtype=item.saved_dtype)
+    with quiet_dcp():
+        dcp.load(targets, storage_reader=reader, no_dist=True)
+    return dict(targets)
+
+
+class _Bar:
+    def __init__(self, path: Path, total: int) -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+        self._progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                  TransferSpeedColumn(), TimeRemainingColumn())
+        self._task = self._progress.add_task(f"consolidating {path.name}", total=total)
+        self._progress.start()
+
+    def advance(self, nbytes: int) -> None:
+        self._progress.advance(self._task, nbytes)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+def _progress_bar(enabled: bool, path: Path, total: int) -> _Bar | None:
+    return _Bar(path, total) if enabled else None

@@ -1,0 +1,67 @@
+"""Reading whole-model checkpoint files (DDP's, a consolidated export, safetensors) with errors
+that say what is wrong with the file and what to do."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_zero.checkpoint.sharded import CheckpointError
+
+
+def load_full_checkpoint(path: Path) -> dict[str, Any]:
+    """A Lightning checkpoint dict from a file: ``.safetensors`` gives ``{"state_dict": ...}``;
+    anything else is read with ``torch.load`` (memory-mapped, so the weights are paged in as
+    they are copied rather than read whole)."""
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory but not a checkpoint (no .metadata file).")
+    if path.suffix == ".safetensors":
+        from lightning_zero.checkpoint.serialization import load_safetensors
+
+        return {"state_dict": load_safetensors(path)}
+    checkpoint = _torch_load(path)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        found = sorted(map(str, checkpoint))[:10] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise CheckpointError(
+            f"{path} is a torch file but not a Lightning checkpoint: it has no 'state_dict' (found {found}). A bare"
+            " state dict of the module loads with LightningModule.load_state_dict before fitting; a checkpoint comes"
+            " from trainer.save_checkpoint, ModelCheckpoint or `lightning-zero consolidate`."
+        )
+    return checkpoint
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except RuntimeError as error:
+        if "mmap" in str(error) and zipfile.is_zipfile(path) is False and _is_legacy_pickle(path):
+            return _torch_load_unmapped(path)
+        raise _unreadable(path, error) from error
+    except (pickle.UnpicklingError, EOFError, ValueError, zipfile.BadZipFile, OSError) as error:
+        raise _unreadable(path, error) from error
+
+
+def _torch_load_unmapped(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as error:
+        raise _unreadable(path, error) from error
+
+
+def _is_legacy_pickle(path: Path) -> bool:
+    """Files saved with _use_new_zipfile_serialization=False cannot be memory-mapped."""
+    with open(path, "rb") as file:
+        return file.read(2) == b"\x80\x02"
+
+
+def _unreadable(path: Path, error: BaseException) -> CheckpointError:
+    size = path.stat().st_size if path.exists() else 0
+    return CheckpointError(
+        f"{path} ({size} bytes) cannot be read as a checkpoint: {type(error).__name__}: {str(error).splitlines()[0]}."
+        " The file is truncated (an interrupted copy or save) or not a torch checkpoint. Use an earlier checkpoint,"
+        " or copy the file again."
+    )

@@ -1,0 +1,387 @@
+"""Sharded checkpoints on torch.distributed.checkpoint (DCP), loadable at any world size.
+
+[Note: checkpoint layout]
+A checkpoint is a directory written by DCP: each rank writes the elements it owns, in parallel,
+and ``.metadata`` records every tensor's *global* shape and which rectangular chunks hold it.
+Every ZeRO layout gives each rank one contiguous range of each flattened parameter (stages 1/2:
+the part of the parameter inside the rank's chunk of its bucket; stage 3: the rank's padded
+piece). A flat range of an n-d tensor is a union of at most 2n-1 boxes (a partial row, whole
+rows, a partial row, recursively), each itself contiguous in memory, so it is saved as a
+``ShardedTensor`` whose local shards are views of the master shard: nothing is copied to save,
+and DCP reads any other layout back by intersecting boxes. That is what makes a checkpoint
+written by 4 ranks at stage 3 load into 2 ranks at stage 2, or into 1 rank, with no conversion.
+
+Keys of the DCP state dict:
+  ``model.<state-dict key>``                      weights, fp32 master values for trained params;
+                                                  buffers and params outside the optimizers whole
+  ``optimizer_<i>.<param name>.<state key>``     per-element state with the parameter's shape,
+                                                  per-parameter scalars (Adam's step) as they are
+  ``lightning_zero``                              one pickled dict (:class:`CheckpointMeta` fields):
+                                                  format version, param groups by parameter name,
+                                                  tied-weight aliases, and the rest of Lightning's
+                                                  checkpoint (loops, callbacks, schedulers, ...)
+
+[Note: atomic save]
+All ranks write into ``.<name>.partial`` next to the target; once DCP has written ``.metadata``
+(after every rank's data), rank 0 swaps it into place with one ``renameat2(RENAME_EXCHANGE)``
+and deletes the old one. Where the filesystem cannot exchange, the old checkpoint is first
+renamed to ``.<name>.previous``; a crash between the two renames leaves it there, and
+:func:`resolve_checkpoint_path` falls back to it. A crash at any other moment leaves the
+previous checkpoint untouched at its name, and the partial directory is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import io
+import logging
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from lightning_zero.zero.flat_buffer import Range
+
+log = logging.getLogger(__name__)
+
+FORMAT_NAME = "lightning_zero.sharded"
+FORMAT_VERSION = 1
+META_KEY = "lightning_zero"
+MODEL_KEY = "model"
+METADATA_FILE = ".metadata"
+
+
+@contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """DCP warns that ShardedTensor is deprecated in favour of DTensor, but DTensor placements cannot
+    express ZeRO's flat-range shards (see the note), and that a load without a process group
+    is a single-process load, which is what we ask for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        yield
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as asked; the message names the path, the keys and the fix."""
+
+
+@dataclass
+class CheckpointMeta:
+    """What a sharded checkpoint says about itself, beyond tensors (saved as one pickled object)."""
+
+    world_size: int
+    stage: int
+    model_keys: list[str]  # every key of the module's state dict, aliases included, in order
+    aliases: dict[str, str]  # tied weights: state-dict key -> the key its data is saved under
+    param_dtypes: dict[str, str]  # the dtype each parameter is computed in (its saved value is fp32)
+    # One entry per optimizer: {"class", "param_groups" (params by name), "per_element" (state
+    # keys shaped like the parameter)}; empty for a weights-only checkpoint.
+    optimizers: list[dict[str, Any]] = field(default_factory=list)
+    lightning: dict[str, Any] = field(default_factory=dict)  # the rest of Lightning's checkpoint
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+
+    def to_entry(self) -> io.BytesIO:
+        """The DCP entry: pre-serialized bytes, so that DCP stores one object (it would flatten a
+        dict into one entry per key) and hands back the dict on load."""
+        buffer = io.BytesIO()
+        torch.save(dict(self.__dict__), buffer)
+        buffer.seek(0)
+        return buffer
+
+    @classmethod
+    def from_dict(cls, path: Path, value: Any) -> CheckpointMeta:
+        if isinstance(value, io.BytesIO):  # how DCP hands back the entry written by to_entry()
+            value.seek(0)
+            value = torch.load(value, map_location="cpu", weights_only=False)
+        if not isinstance(value, dict) or value.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{path} is a torch.distributed.checkpoint directory but not one written by"
+                                  " lightning_zero (no lightning_zero metadata). Load it with torch.distributed.checkpoint.")
+        if value.get("version", 0) > FORMAT_VERSION:
+            raise CheckpointError(f"{path} has lightning_zero checkpoint format {value['version']}, newer than this"
+                                  f" lightning_zero reads ({FORMAT_VERSION}): upgrade lightning-zero.")
+        return cls(**value)
+
+
+# ---------------------------------------------------------------------------------------- layout
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...], Range]]:
+    """Splits the elements [start, end) of a row-major tensor of ``shape`` into boxes.
+
+    Returns (offsets, sizes, flat range) per box, in flat order; each box is contiguous in the
+    flattened tensor, so its data is ``flat[range].view(sizes)``.
+    """
+    if start >= end:
+        return []
+    if len(shape) == 0:
+        return [((), (), Range(start, end))]
+    inner = math.prod(shape[1:])
+    first_row, last_row = start // inner, (end - 1) // inner
+    if first_row == last_row:
+        base = first_row * inner
+        if start - base == 0 and end - base == inner:
+            return [((first_row,) + (0,) * (len(shape) - 1), (1, *shape[1:]), Range(start, end))]
+        return [
+            ((first_row, *offsets), (1, *sizes), Range(flat.start + base, flat.end + base))
+            for offsets, sizes, flat in flat_range_boxes(shape[1:], start - base, end - base)
+        ]
+    boxes = []
+    whole_from, whole_to = first_row, last_row + 1
+    if start % inner:
+        boxes += flat_range_boxes(shape, start, (first_row + 1) * inner)
+        whole_from = first_row + 1
+    tail = []
+    if end % inner:
+        tail = flat_range_boxes(shape, last_row * inner, end)
+        whole_to = last_row
+    if whole_to > whole_from:
+        boxes.append(((whole_from,) + (0,) * (len(shape) - 1), (whole_to - whole_from, *shape[1:]),
+                      Range(whole_from * inner, whole_to * inner)))
+    return boxes + tail
+
+
+@dataclass(frozen=True)
+class FlatShards:
+    """How one tensor's elements are split over ranks: ``ranges[r]`` is the part of the
+    flattened tensor rank r holds (ranges are disjoint and cover it)."""
+
+    shape: tuple[int, ...]
+    ranges: tuple[Range, ...]
+
+    def sharded_tensor(self, local: Tensor, rank: int, group: dist.ProcessGroup | None) -> ShardedTensor:
+        """``local`` [ranges[rank].size], 1-d: this rank's elements. The result's local shards are
+        views of it, so a DCP load writes straight into ``local``."""
+        if local.numel() != self.ranges[rank].size:
+            raise ValueError(f"rank {rank} holds {local.numel()} elements but its range is {self.ranges[rank]}")
+        global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(self.ranges)))
+        device = local.device
+        shards_md: list[ShardMetadata] = []
+        local_shards: list[Shard] = []
+        for owner, owned in enumerate(self.ranges):
+            for offsets, sizes, flat in flat_range_boxes(self.shape, owned.start, owned.end):
+                md = ShardMetadata(list(offsets), list(sizes), f"rank:{global_ranks[owner]}/{device}")
+                shards_md.append(md)
+                if owner == rank:
+                    piece = local[flat.start - owned.start : flat.end - owned.start].view(sizes)
+                    local_shards.append(Shard(piece, md))
+        properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                                      memory_format=torch.contiguous_format, pin_memory=local.is_pinned())
+        metadata = ShardedTensorMetadata(shards_md, torch.Size(self.shape), properties)
+        with quiet_dcp():
+            return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
+
+
+# ---------------------------------------------------------------------------------------- save
+def _staging_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.partial"
+
+
+def _previous_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.previous"
+
+
+def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+    """Writes ``state`` (plain tensors are taken as replicated, ShardedTensors as sharded, other
+    objects are pickled) as a DCP checkpoint at ``path``, atomically (see [Note: atomic save]).
+
+    A collective when a process group is initialized: every rank calls it with its own shards.
+    """
+    target = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    staging = _staging_path(target)
+    if rank == 0:
+        if staging.exists():
+            shutil.rmtree(staging)  # a save that crashed before its rename
+        staging.mkdir(parents=True)
+    if distributed:
+        dist.barrier(group=group)
+    writer = dcp.FileSystemWriter(staging, sync_files=True)
+    with quiet_dcp():
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
+    if rank == 0:
+        _commit(staging, target)
+    if distributed:
+        dist.barrier(group=group)
+
+
+def _commit(staging: Path, target: Path) -> None:
+    """Puts the complete checkpoint ``staging`` at ``target``; the old one survives any crash."""
+    if not target.exists() and not target.is_symlink():
+        os.rename(staging, target)
+        return
+    if target.is_dir() and not target.is_symlink() and _exchange(staging, target):
+        shutil.rmtree(staging)  # now the old checkpoint
+        return
+    previous = _previous_path(target)
+    if previous.exists():
+        _remove(previous)
+    os.rename(target, previous)
+    os.rename(staging, target)
+    _remove(previous)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two directory entries (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    if result == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(ctypes.get_errno(), f"renameat2({a}, {b}, RENAME_EXCHANGE) failed")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Deletes a checkpoint file or directory (what ModelCheckpoint does with checkpoints it no longer keeps)."""
+    target = Path(path)
+    if target.exists() or target.is_symlink():
+        _remove(target)
+
+
+# ---------------------------------------------------------------------------------------- load
+def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
+    """The checkpoint at ``path``, or the previous version an interrupted swap left (see the note)."""
+    target = Path(path)
+    if target.exists():
+        return target
+    previous = _previous_path(target)
+    if is_sharded_checkpoint(previous):
+        log.warning(f"{target} does not exist, but {previous} does: a save was interrupted while replacing it."
+                    " Loading the previous checkpoint.")
+        return previous
+    hint = ""
+    if _staging_path(target).exists():
+        hint = (f" {_staging_path(target)} exists: a save to this path was interrupted before it completed, so"
+                " it never became a checkpoint.")
+    raise CheckpointError(f"No checkpoint at {target}: the path does not exist.{hint} Pass the path of a"
+                          " checkpoint directory or file that ModelCheckpoint or trainer.save_checkpoint wrote.")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's metadata of a checkpoint directory, after checking every data file it names is complete."""
+    if not (path / METADATA_FILE).is_file():
+        raise CheckpointError(
+            f"{path} is a directory but not a complete checkpoint: it has no {METADATA_FILE} file, which DCP"
+            " writes last. It may be a save that was interrupted; load the previous checkpoint instead."
+        )
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any unpickling failure means the same thing here
+        raise CheckpointError(f"{path / METADATA_FILE} cannot be read ({type(error).__name__}: {error}): the"
+                              " checkpoint is damaged. Load an earlier checkpoint.") from error
+    _check_files_complete(path, metadata)
+    return metadata
+
+
+def _check_files_complete(path: Path, metadata: Metadata) -> None:
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path} is missing its data file {name}: the checkpoint is incomplete."
+                                  " Load an earlier checkpoint.")
+        actual = file.stat().st_size
+        if actual < size:
+            raise CheckpointError(f"{file} is truncated: it has {actual} bytes, the checkpoint's metadata needs"
+                                  f" {size}. Load an earlier checkpoint.")
+
+
+def read_meta(path: Path, metadata: Metadata | None = None) -> CheckpointMeta:
+    """The checkpoint's own description (read by this process alone; no collective)."""
+    metadata = metadata or read_metadata(path)
+    if not isinstance(metadata.state_dict_metadata.get(META_KEY), BytesStorageMetadata):
+        raise CheckpointError(f"{path} is a torch.distributed.checkpoint directory but was not written by"
+                              " lightning_zero (it has no 'lightning_zero' entry).")
+    holder: dict[str, Any] = {META_KEY: None}
+    with quiet_dcp():
+        dcp.load(holder, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return CheckpointMeta.from_dict(path, holder[META_KEY])
+
+
+def load_sharded(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+    """Reads into ``state`` (in place: ShardedTensors' local shards and plain tensors are filled,
+    other entries replaced). A collective when a process group is initialized."""
+    distributed = dist.is_available() and dist.is_initialized()
+    with quiet_dcp():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not distributed)
+
+
+def tensor_shapes(metadata: Metadata, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Global shape and dtype of every tensor saved under ``prefix.``, by the rest of its key."""
+    result = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix + ".") and isinstance(md, TensorStorageMetadata):
+            result[key[len(prefix) + 1 :]] = (md.size, md.properties.dtype)
+    return result
+
+
+def describe_mismatch(
+    path: Path,
+    missing: Sequence[str],
+    unexpected: Sequence[str],
+    wrong_shapes: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+    strict: bool,
+) -> str | None:
+    """An error message for a checkpoint that does not fit the model, or None if it fits."""
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys (in the model, not in the checkpoint): {_some(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_some(unexpected)}")
+    if wrong_shapes:
+        shapes = ", ".join(f"'{k}' checkpoint {tuple(saved)} vs model {tuple(mine)}" for k, (saved, mine) in
+                           list(wrong_shapes.items())[:10])
+        problems.append(f"shape mismatches: {shapes}")
+    if not problems:
+        return None
+    fix = "Load a checkpoint of this model"
+    if not wrong_shapes:
+        fix += ", or set `strict_loading = False` on the LightningModule to load the keys both have"
+    return f"The checkpoint {path} does not fit the model: " + "; ".join(problems) + f". {fix}. Nothing was loaded."
+
+
+def _some(keys: Sequence[str]) -> str:
+    shown = ", ".join(repr(k) for k in list(keys)[:10])
+    return shown + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")

@@ -1,0 +1,329 @@
+"""Between the ZeRO engine and a sharded checkpoint: what each rank saves, and loading it back
+into any layout (see [Note: checkpoint layout] in sharded.py). Plain PyTorch, no Lightning."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from lightning_zero.checkpoint.sharded import (
+    MODEL_KEY,
+    CheckpointError,
+    CheckpointMeta,
+    FlatShards,
+    describe_mismatch,
+    load_sharded,
+    optimizer_key,
+    read_meta,
+    read_metadata,
+)
+from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, _check_full_optimizer_state
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """State-dict keys whose tensor another key (the first, in order) already holds: tied weights."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, Tensor):
+            continue
+        if id(value) in first:
+            aliases[key] = first[id(value)]
+        else:
+            first[id(value)] = key
+    return aliases
+
+
+def param_names(module: nn.Module) -> dict[nn.Parameter, str]:
+    return {param: name for name, param in module.named_parameters()}
+
+
+def _sharded(piece: ParamPiece, local: Tensor, rank: int, group: dist.ProcessGroup | None) -> Any:
+    return FlatShards(tuple(piece.param.shape), piece.ranges).sharded_tensor(local, rank, group)
+
+
+# ---------------------------------------------------------------------------------------- save
+def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """The module's state dict for a sharded save: a parameter with a master piece is saved as the
+    fp32 master values, sharded like the pieces; everything else whole (replicated)."""
+    rank = _rank(group)
+    by_param = {piece.param: piece for piece in pieces}
+    aliases = tied_aliases(module)
+    entries: dict[str, Any] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if key in aliases:
+            continue
+        piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
+        if piece is not None and value.numel() > 0:
+            entries[key] = _sharded(piece, piece.master, rank, group)
+        elif isinstance(value, Tensor):
+            entries[key] = value.detach()
+        else:
+            entries[key] = value  # a module's extra state
+    return entries
+
+
+def optimizer_entries(
+    optimizer: ShardedOptimizer, names: Mapping[nn.Parameter, str], group: dist.ProcessGroup | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(this rank's state tensors by parameter name, the optimizer's description for the meta).
+
+    State shaped like the master piece is saved with the parameter's shape, sharded; anything else
+    (Adam's step count) as it is, once per parameter.
+    """
+    rank = _rank(group)
+    per_element: set[str] = set()
+    entries: dict[str, Any] = {}
+    for piece in optimizer.param_pieces():
+        state = optimizer.optimizer.state.get(piece.holder, {})
+        entry: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == piece.holder.numel():
+                per_element.add(key)
+                if piece.param.numel() > 0:
+                    entry[key] = _sharded(piece, piece.in_holder.slice(value), rank, group)
+            else:
+                entry[key] = value.detach() if isinstance(value, Tensor) else value
+        if entry:
+            entries[piece.name] = entry
+    description = {
+        "class": type(optimizer.optimizer).__qualname__,
+        "param_groups": named_param_groups(optimizer, names),
+        "per_element": sorted(per_element),
+    }
+    return entries, description
+
+
+def named_param_groups(optimizer: ShardedOptimizer, names: Mapping[nn.Parameter, str]) -> list[dict[str, Any]]:
+    """The param groups' hyperparameters, with parameters listed by name."""
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in params]}
+        for group, params in zip(optimizer.param_groups, optimizer._group_params)
+    ]
+
+
+# ---------------------------------------------------------------------------------------- load
+def check_model_fits(path: Path, metadata: Metadata, meta: CheckpointMeta, module: nn.Module, strict: bool) -> None:
+    """Raises CheckpointError naming every missing, unexpected and mis-shaped key (before anything loads)."""
+    saved = {k[len(MODEL_KEY) + 1 :]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(MODEL_KEY + ".")}
+    saved_keys = set(meta.model_keys)
+    mine = module.state_dict(keep_vars=True)
+    missing = [k for k in mine if k not in saved_keys]
+    unexpected = [k for k in meta.model_keys if k not in mine]
+    wrong: dict[str, tuple[Sequence[int], Sequence[int]]] = {}
+    for key, value in mine.items():
+        md = saved.get(meta.aliases.get(key, key))
+        if isinstance(value, Tensor) and isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
+            wrong[key] = (tuple(md.size), tuple(value.shape))
+    message = describe_mismatch(path, missing, unexpected, wrong, strict)
+    if message:
+        raise CheckpointError(message)
+
+
+def check_optimizers_fit(
+    path: Path, meta: CheckpointMeta, optimizers: Sequence[ShardedOptimizer], names: Mapping[nn.Parameter, str]
+) -> None:
+    if len(meta.optimizers) != len(optimizers):
+        raise CheckpointError(
+            f"The checkpoint {path} holds the state of {len(meta.optimizers)} optimizer(s) but configure_optimizers"
+            f" returned {len(optimizers)}. Resume with the same optimizers, or load the weights only. Nothing was loaded."
+        )
+    for number, (saved, optimizer) in enumerate(zip(meta.optimizers, optimizers)):
+        current = named_param_groups(optimizer, names)
+        mine_class = type(optimizer.optimizer).__qualname__
+        if saved["class"] != mine_class:
+            raise CheckpointError(
+                f"Optimizer {number} is {mine_class} but the checkpoint {path} holds a {saved['class']} state."
+                " Resume with the same optimizer class, or load the weights only. Nothing was loaded."
+            )
+        if len(saved["param_groups"]) != len(current):
+            raise CheckpointError(
+                f"Optimizer {number} has {len(current)} param groups but the checkpoint {path} has"
+                f" {len(saved['param_groups'])}: it comes from a different configure_optimizers(). Nothing was loaded."
+            )
+        for index, (old, new) in enumerate(zip(saved["param_groups"], current)):
+            if set(old["params"]) != set(new["params"]):
+                only_old = sorted(set(old["params"]) - set(new["params"]))
+                only_new = sorted(set(new["params"]) - set(old["params"]))
+                raise CheckpointError(
+                    f"Param group {index} of optimizer {number} does not hold the parameters it held in {path}:"
+                    f" only in the checkpoint {only_old[:10]}, only now {only_new[:10]}. Resume with the same param"
+                    " groups. Nothing was loaded."
+                )
+
+
+def _saved_state_keys(metadata: Metadata, prefix: str) -> dict[str, dict[str, Any]]:
+    """Per parameter name, its saved state keys and their storage metadata."""
+    result: dict[str, dict[str, Any]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix + "."):
+            name, state_key = key[len(prefix) + 1 :].rsplit(".", 1)
+            result.setdefault(name, {})[state_key] = md
+    return result
+
+
+class _OptimizerLoad:
+    """The DCP targets for one optimizer's state, and how they become its state afterwards."""
+
+    def __init__(self, optimizer: ShardedOptimizer, saved: dict[str, Any], metadata: Metadata,
+                 index: int, group: dist.ProcessGroup | None) -> None:
+        self.optimizer = optimizer
+        self.saved = saved
+        self.targets: dict[str, dict[str, Any]] = {}
+        self.state: dict[int, tuple[Tensor, dict[str, Any]]] = {}  # id(holder) -> (holder, state)
+        self._scalars: list[tuple[Tensor, str, str]] = []  # (holder, param name, state key)
+        rank = _rank(group)
+        per_element = set(saved["per_element"])
+        by_name = _saved_state_keys(metadata, optimizer_key(index))
+        for piece in optimizer.param_pieces():
+            holder_state = self.state.setdefault(id(piece.holder), (piece.holder, {}))[1]
+            entry: dict[str, Any] = {}
+            for state_key, md in by_name.get(piece.name, {}).items():
+                if state_key in per_element and isinstance(md, TensorStorageMetadata):
+                    full = holder_state.get(state_key)
+                    if full is None:
+                        full = holder_state[state_key] = torch.zeros_like(piece.holder, dtype=md.properties.dtype)
+                    entry[state_key] = _sharded(piece, piece.in_holder.slice(full), rank, group)
+                elif isinstance(md, TensorStorageMetadata):
+                    entry[state_key] = torch.zeros(md.size, dtype=md.properties.dtype)
+                    self._scalars.append((piece.holder, piece.name, state_key))
+                elif isinstance(md, BytesStorageMetadata):
+                    entry[state_key] = None
+                    self._scalars.append((piece.holder, piece.name, state_key))
+            if entry:
+                self.targets[piece.name] = entry
+
+    def finish(self) -> None:
+        """Installs what was read as the optimizer's state and the saved hyperparameters."""
+        inner = self.optimizer.optimizer
+        on_device = inner.defaults.get("fused") or inner.defaults.get("capturable")
+        for holder, name, state_key in self._scalars:
+            holder_state = self.state[id(holder)][1]
+            if state_key not in holder_state:  # one holder (a bucket) may hold several parameters
+                value = self.targets[name][state_key]
+                if isinstance(value, Tensor) and on_device:
+                    value = value.to(holder.device)
+                holder_state[state_key] = value
+        inner.state.clear()
+        for holder, holder_state in self.state.values():
+            if holder_state:
+                inner.state[holder] = holder_state
+        for group, saved in zip(inner.param_groups, self.saved["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def load_into(
+    path: Path,
+    module: nn.Module,
+    model_pieces: Sequence[ParamPiece],
+    optimizers: Sequence[ShardedOptimizer] | None,
+    group: dist.ProcessGroup | None,
+    strict: bool = True,
+) -> CheckpointMeta:
+    """Loads a sharded checkpoint into the module (and, unless ``optimizers`` is None, their
+    states), whatever world size and stage wrote it. Checks everything before reading any tensor,
+    so a checkpoint that does not fit changes nothing. A collective. The caller publishes the
+    loaded masters to the parameters afterwards."""
+    metadata = read_metadata(path)
+    meta = read_meta(path, metadata)
+    check_model_fits(path, metadata, meta, module, strict)
+    names = param_names(module)
+    if optimizers is not None and meta.optimizers:
+        check_optimizers_fit(path, meta, optimizers, names)
+    rank = _rank(group)
+    saved_model = {k[len(MODEL_KEY) + 1 :] for k in metadata.state_dict_metadata if k.startswith(MODEL_KEY + ".")}
+    by_param = {piece.param: piece for piece in model_pieces}
+    model_targets: dict[str, Any] = {}
+    # A saved tensor wanted under two keys (tied in the checkpoint, not in this model) needs a
+    # second read: one DCP load fills one target per key.
+    second_reads: dict[str, Any] = {}
+    extra_state: list[tuple[str, str]] = []
+    mine = module.state_dict(keep_vars=True)
+    aliases = tied_aliases(module)
+    for key, value in mine.items():
+        if key in aliases:
+            continue
+        source = key if key in saved_model else meta.aliases.get(key)
+        if source is None or source not in saved_model:
+            continue  # missing, allowed by strict=False
+        piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
+        if piece is not None and value.numel() > 0:
+            target: Any = _sharded(piece, piece.master, rank, group)
+        elif isinstance(value, Tensor):
+            target = value.data
+        else:
+            target = None
+            extra_state.append((key, source))
+        if source in model_targets:
+            second_reads[source] = target
+        else:
+            model_targets[source] = target
+    loads = []
+    state: dict[str, Any] = {MODEL_KEY: model_targets}
+    if optimizers is not None and meta.optimizers:
+        for index, (optimizer, saved) in enumerate(zip(optimizers, meta.optimizers)):
+            load = _OptimizerLoad(optimizer, saved, metadata, index, group)
+            state[optimizer_key(index)] = load.targets
+            loads.append(load)
+    with torch.no_grad():
+        load_sharded(path, state, group)
+        if second_reads:
+            load_sharded(path, {MODEL_KEY: second_reads}, group)
+    for load in loads:
+        load.finish()
+    for key, source in extra_state:
+        owner = module.get_submodule(key[: -len("._extra_state")]) if key.endswith("._extra_state") else module
+        owner.set_extra_state(model_targets[source])
+    return meta
+
+
+# ---------------------------------------------------------------------------------------- full files
+def check_full_state_fits(path: Path, state_dict: Mapping[str, Any], module: nn.Module, strict: bool) -> None:
+    """A whole-weights state dict against the module: names every missing, unexpected and
+    mis-shaped key before anything is loaded."""
+    mine = module.state_dict(keep_vars=True)
+    missing = [k for k in mine if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in mine]
+    wrong = {
+        key: (tuple(value.shape), tuple(mine[key].shape))
+        for key, value in state_dict.items()
+        if key in mine and isinstance(value, Tensor) and isinstance(mine[key], Tensor)
+        and tuple(value.shape) != tuple(mine[key].shape)
+    }
+    message = describe_mismatch(path, missing, unexpected, wrong, strict)
+    if message:
+        raise CheckpointError(message)
+
+
+def check_full_optimizer_states(path: Path, states: Any, optimizers: Sequence[ShardedOptimizer]) -> None:
+    """Torch-format optimizer states (a DDP or consolidated checkpoint) against the optimizers:
+    group and parameter counts, and each state tensor's shape, before anything is loaded."""
+    if not isinstance(states, list) or len(states) != len(optimizers):
+        count = len(states) if isinstance(states, list) else type(states).__name__
+        raise CheckpointError(
+            f"The checkpoint {path} holds {count} optimizer state(s) but configure_optimizers returned"
+            f" {len(optimizers)}. Resume with the same optimizers. Nothing was loaded."
+        )
+    for number, (state, optimizer) in enumerate(zip(states, optimizers)):
+        try:
+            saved_index = _check_full_optimizer_state(state, optimizer._group_params, type(optimizer.optimizer).__name__)
+        except ValueError as error:
+            raise CheckpointError(f"Optimizer {number} cannot load the state in {path}: {error} Nothing was loaded.") from error
+        for param, index in saved_index.items():
+            for key, value in state["state"].get(index, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"Optimizer {number}'s state '{key}' of parameter {index} has"
+                        f" shape {tuple(value.shape)} in {path} but the parameter has shape {tuple(param.shape)}: the"
+                        " state comes from a different model. Nothing was loaded."
+                    )
