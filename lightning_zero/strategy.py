@@ -46,10 +46,7 @@ from typing_extensions import override
 from lightning_zero.checkpoint.full import load_full_checkpoint
 from lightning_zero.checkpoint.sharded import (
     META_KEY,
-    MODEL_KEY,
-    CheckpointMeta,
     is_sharded_checkpoint,
-    optimizer_key,
     resolve_checkpoint_path,
     save_sharded,
 )
@@ -60,7 +57,7 @@ from lightning_zero.checkpoint.state import (
     model_entries,
     optimizer_entries,
     param_names,
-    tied_aliases,
+    sharded_state,
 )
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPUOffloadPolicy
@@ -568,23 +565,9 @@ class ZeroStrategy(ParallelStrategy):
         assert module is not None
         path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's path
         checkpoint = dict(checkpoint)
-        state: dict[str, Any] = {MODEL_KEY: checkpoint.pop("state_dict")}
-        descriptions = []
-        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[optimizer_key(index)] = optimizer_state["state"]
-            descriptions.append(optimizer_state[META_KEY])
-        if self.global_rank == 0:
-            module_state = module.state_dict(keep_vars=True)
-            meta = CheckpointMeta(
-                world_size=self.world_size,
-                stage=self.config.stage,
-                model_keys=list(module_state),
-                aliases=tied_aliases(module),
-                param_dtypes={k: str(v.dtype) for k, v in module_state.items() if isinstance(v, torch.nn.Parameter)},
-                optimizers=descriptions,
-                lightning=checkpoint,
-            )
-            state[META_KEY] = meta.to_entry()
+        model = checkpoint.pop("state_dict")
+        optimizers = [(state["state"], state[META_KEY]) for state in checkpoint.pop("optimizer_states", [])]
+        state = sharded_state(module, model, optimizers, checkpoint, self.world_size, self.config.stage, group=None)
         save_sharded(path, state, group=None)
 
     @override

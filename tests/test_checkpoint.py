@@ -163,6 +163,7 @@ def _from_four(directory: str) -> dict[str, Any]:
         consolidate(os.path.join(directory, "four_ranks.ckpt"), weights, weights_only=True, progress=False)
         consolidate(os.path.join(directory, "four_ranks.ckpt"), tensors, progress=False)
     torch.distributed.barrier()
+    out["load_from_checkpoint"] = params_of(TiedGPT.load_from_checkpoint(consolidated, map_location="cpu"))
     for name, strategy, path in (
         ("zero2", zero(2), "four_ranks.ckpt"),
         ("ddp", "ddp", "four_ranks.full.ckpt"),
@@ -382,6 +383,10 @@ def test_consolidated_checkpoint_resumes_like_the_sharded_one(results: dict[str,
     assert _equal(result["consolidated_zero2"]["start"], result["zero2"]["start"])
     assert _same_optimizer_state(result["consolidated_zero2"]["optimizer"], result["zero2"]["optimizer"])
     assert _equal(result["consolidated_zero2"]["params"], result["zero2"]["params"])
+
+
+def test_consolidated_file_loads_with_load_from_checkpoint(results: dict[str, Any]) -> None:
+    assert _equal(results["from_four"]["load_from_checkpoint"], _weights(results["four_ranks_full"]))
 
 
 @pytest.mark.parametrize("case", ["weights_zero2", "safetensors_zero3"])

@@ -3,5 +3,7 @@ and their streamed export to one ``.pt`` or ``.safetensors`` file."""
 
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.sharded import CheckpointError, CheckpointMeta, is_sharded_checkpoint
+from lightning_zero.checkpoint.state import load_checkpoint, save_checkpoint
 
-__all__ = ["CheckpointError", "CheckpointMeta", "consolidate", "is_sharded_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointMeta", "consolidate", "is_sharded_checkpoint", "load_checkpoint",
+           "save_checkpoint"]

@@ -232,13 +232,15 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.Pro
 
 def _commit(staging: Path, target: Path) -> None:
     """Puts the complete checkpoint ``staging`` at ``target``; the old one survives any crash."""
+    previous = _previous_path(target)
     if not target.exists() and not target.is_symlink():
         os.rename(staging, target)
+        if previous.exists():
+            _remove(previous)  # left by an interrupted replacement; superseded now
         return
     if target.is_dir() and not target.is_symlink() and _exchange(staging, target):
         shutil.rmtree(staging)  # now the old checkpoint
         return
-    previous = _previous_path(target)
     if previous.exists():
         _remove(previous)
     os.rename(target, previous)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_zero.checkpoint.sharded import (
+    META_KEY,
     MODEL_KEY,
     CheckpointError,
     CheckpointMeta,
@@ -20,10 +21,13 @@ from lightning_zero.checkpoint.sharded import (
     describe_mismatch,
     load_sharded,
     optimizer_key,
+    resolve_checkpoint_path,
+    save_sharded,
     read_meta,
     read_metadata,
 )
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, _check_full_optimizer_state
+from lightning_zero.zero.stage3 import Zero3Engine
 
 
 def _rank(group: dist.ProcessGroup | None) -> int:
@@ -110,6 +114,74 @@ def named_param_groups(optimizer: ShardedOptimizer, names: Mapping[nn.Parameter,
         {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in params]}
         for group, params in zip(optimizer.param_groups, optimizer._group_params)
     ]
+
+
+def sharded_state(
+    module: nn.Module,
+    model: dict[str, Any],
+    optimizers: Sequence[tuple[dict[str, Any], dict[str, Any]]],
+    lightning: dict[str, Any],
+    world_size: int,
+    stage: int,
+    group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """The DCP state dict of one rank: its model and optimizer entries; rank 0 adds the meta."""
+    state: dict[str, Any] = {MODEL_KEY: model}
+    for index, (entries, _) in enumerate(optimizers):
+        state[optimizer_key(index)] = entries
+    if _rank(group) == 0:
+        module_state = module.state_dict(keep_vars=True)
+        meta = CheckpointMeta(
+            world_size=world_size,
+            stage=stage,
+            model_keys=list(module_state),
+            aliases=tied_aliases(module),
+            param_dtypes={k: str(v.dtype) for k, v in module_state.items() if isinstance(v, nn.Parameter)},
+            optimizers=[description for _, description in optimizers],
+            lightning=lightning,
+        )
+        state[META_KEY] = meta.to_entry()
+    return state
+
+
+def save_checkpoint(
+    path: str | Path,
+    module: nn.Module,
+    optimizers: Sequence[ShardedOptimizer] = (),
+    engine: Zero3Engine | None = None,
+    extra: dict[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Saves a ZeRO model (and optimizers) as a sharded checkpoint, without Lightning; ``extra``
+    is kept as the checkpoint's Lightning part (``CheckpointMeta.lightning``). A collective."""
+    pieces = engine.param_pieces() if engine is not None else [p for o in optimizers for p in o.param_pieces()]
+    names = param_names(module)
+    stage = 3 if engine is not None else max([o.config.stage for o in optimizers] + [1])
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    state = sharded_state(module, model_entries(module, pieces, group),
+                          [optimizer_entries(o, names, group) for o in optimizers], dict(extra or {}), world, stage, group)
+    save_sharded(path, state, group)
+
+
+def load_checkpoint(
+    path: str | Path,
+    module: nn.Module,
+    optimizers: Sequence[ShardedOptimizer] | None = None,
+    engine: Zero3Engine | None = None,
+    group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Loads a sharded checkpoint (any world size and stage) into a ZeRO model and, if given, its
+    optimizers, without Lightning; returns the checkpoint's Lightning part. A collective."""
+    pieces = engine.param_pieces() if engine is not None else [p for o in optimizers or () for p in o.param_pieces()]
+    meta = load_into(resolve_checkpoint_path(path), module, pieces, optimizers, group, strict)
+    with torch.no_grad():
+        if engine is not None:
+            engine.publish_masters()
+        else:
+            for optimizer in optimizers or ():
+                optimizer.publish_params()
+    return meta.lightning
 
 
 # ---------------------------------------------------------------------------------------- load

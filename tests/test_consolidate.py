@@ -1,0 +1,283 @@
+"""Exporting a sharded checkpoint to one file: the engine's own save/load without a Trainer,
+bounded memory (measured in a subprocess), the console command, bad input, and the atomic
+replacement of a checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness import run_on_ranks
+from lightning_zero import CheckpointError, Collectives, ZeroConfig, ZeroOptimizer, consolidate
+from lightning_zero.checkpoint import load_checkpoint, save_checkpoint
+from lightning_zero.checkpoint import sharded
+from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LAYERS, WIDTH = 24, 1024  # 24 weights of 4 MiB: 96 MiB of weights, 288 MiB with Adam's state
+
+
+def _big_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+
+
+def _small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+
+
+def _step(model: nn.Module, optimizer: Any) -> None:
+    data = torch.randn(4, next(model.parameters()).shape[1], generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(data).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _engine_round_trip(directory: str) -> dict[str, Any]:
+    """Without a Trainer: ZeRO-2 saves; ZeRO-3 loads it, steps on; and the big checkpoint."""
+    out: dict[str, Any] = {}
+    model = _small_model()
+    optimizer = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), model, Collectives(), ZeroConfig(stage=2, reduce_bucket_size=16))
+    for _ in range(3):
+        _step(model, optimizer)
+    save_checkpoint(os.path.join(directory, "small.ckpt"), model, [optimizer], extra={"note": "engine"})
+    optimizer.consolidate_state_dict()
+    out["saved_optimizer"] = optimizer.state_dict() if dist.get_rank() == 0 else None
+    out["saved_params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    other = _small_model()
+    for param in other.parameters():
+        param.data.mul_(0)
+    engine = Zero3Engine(other, Collectives(), unit_classes=(), min_unit_numel=1, persistence_threshold=0, prefetch_units=1,
+                         prefetch_bytes=0, param_dtype=None, grad_dtype=torch.float32, device=torch.device("cpu"))
+    engine.shard()
+    engine.install_hooks()
+    zero3 = Zero3Optimizer(torch.optim.AdamW(other.parameters(), lr=0.1), engine, ZeroConfig(stage=3))
+    out["extra"] = load_checkpoint(os.path.join(directory, "small.ckpt"), other, [zero3], engine=engine)
+    zero3.consolidate_state_dict()
+    out["loaded_optimizer"] = zero3.state_dict() if dist.get_rank() == 0 else None
+    out["loaded_params"] = engine.full_state_dict()
+    engine.remove_hooks()
+
+    big = _big_model()
+    big_optimizer = ZeroOptimizer(torch.optim.AdamW(big.parameters()), big, Collectives(), ZeroConfig(stage=2))
+    _step(big, big_optimizer)
+    save_checkpoint(os.path.join(directory, "big.ckpt"), big, [big_optimizer])
+    return out
+
+
+_MEMORY_SCRIPT = r"""
+import json, os, resource, sys, torch
+from lightning_zero import consolidate
+
+def reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets the peak RSS (VmHWM)
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+def peak():
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def current():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+source, small, out = sys.argv[1], sys.argv[2], sys.argv[3]
+consolidate(small, out + ".warmup" + os.path.splitext(out)[1], progress=False)  # code paths, imports
+os.remove(out + ".warmup" + os.path.splitext(out)[1])
+reset = reset_peak()
+before = current()
+consolidate(source, out, progress=False)
+print(json.dumps({"before": before, "peak": peak(), "reset": reset, "size": os.path.getsize(out)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def exported() -> Any:
+    with tempfile.TemporaryDirectory() as directory:
+        engine = run_on_ranks(_engine_round_trip, 2, directory)[0]
+        yield {"directory": Path(directory), "engine": engine}
+
+
+def test_engine_checkpoint_loads_into_another_stage_without_a_trainer(exported: Any) -> None:
+    engine = exported["engine"]
+    assert engine["extra"] == {"note": "engine"}
+    saved, loaded = engine["saved_params"], engine["loaded_params"]
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    a, b = engine["saved_optimizer"], engine["loaded_optimizer"]
+    assert a["param_groups"] == b["param_groups"]
+    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_export_memory_is_bounded_by_the_largest_tensor_not_the_model(exported: Any, suffix: str) -> None:
+    directory = exported["directory"]
+    out = directory / f"big{suffix}"
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(directory / "big.ckpt"), str(directory / "small.ckpt"), str(out)],
+        capture_output=True, text=True, timeout=300, check=False, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    mib = 2**20
+    largest = WIDTH * WIDTH * 4
+    model_bytes = LAYERS * largest
+    growth = numbers["peak"] - numbers["before"]
+    bound = 4 * largest + 32 * mib
+    report = (f"{suffix}: peak {numbers['peak'] / mib:.1f} MiB over {numbers['before'] / mib:.1f} MiB resident before"
+              f" (+{growth / mib:.1f} MiB; bound {bound / mib:.0f} MiB = 4 x largest tensor + 32 MiB) writing"
+              f" {numbers['size'] / mib:.0f} MiB; weights alone {model_bytes / mib:.0f} MiB; peak reset: {numbers['reset']}")
+    print(report)
+    assert numbers["size"] >= model_bytes, report
+    assert growth < bound < model_bytes, report
+    # and the export is right: it equals what the two ranks trained
+    if suffix == ".pt":
+        state = torch.load(out, mmap=True, weights_only=True)
+        assert len(state["optimizer_states"][0]["state"]) == LAYERS
+        weights = state["state_dict"]
+    else:
+        from safetensors.torch import load_file
+
+        weights = load_file(out)
+    reference = _big_model()
+    assert set(weights) == {f"{i}.weight" for i in range(LAYERS)}
+    # one Adam step of lr 1e-3 moves every weight by about 1e-3
+    assert all((weights[k] - v).abs().max() <= 1.1e-3 for k, v in reference.state_dict().items())
+    assert any(not torch.equal(weights[k], v) for k, v in reference.state_dict().items())
+
+
+def test_console_command_exports_bf16_safetensors_with_a_progress_bar(exported: Any) -> None:
+    directory = exported["directory"]
+    out = directory / "small.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_zero.cli", "consolidate", str(directory / "small.ckpt"), str(out), "--dtype", "bf16"],
+        capture_output=True, text=True, timeout=120, check=False, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "consolidating small.ckpt" in result.stdout and f"wrote {out}" in result.stdout
+    from safetensors.torch import load_file
+
+    weights = load_file(out)
+    saved = exported["engine"]["saved_params"]
+    assert {k: v.dtype for k, v in weights.items()} == dict.fromkeys(saved, torch.bfloat16)
+    assert all(torch.equal(weights[k], saved[k].bfloat16()) for k in saved)
+
+
+def test_console_command_is_installed() -> None:
+    scripts = {entry.name: entry.value for entry in entry_points(group="console_scripts")}
+    assert scripts.get("lightning-zero") == "lightning_zero.cli:main"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["nowhere.ckpt", "out.pt"], "No checkpoint at"),
+        (["small.ckpt/.metadata", "out.pt"], "is a file, not a sharded checkpoint directory"),
+        (["empty", "out.pt"], "not a complete checkpoint"),
+    ],
+)
+def test_console_command_reports_bad_input_without_a_traceback(exported: Any, arguments: list[str], message: str) -> None:
+    directory = exported["directory"]
+    (directory / "empty").mkdir(exist_ok=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_zero.cli", "consolidate", *[str(directory / a) for a in arguments]],
+        capture_output=True, text=True, timeout=120, check=False, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (directory / "out.pt").exists()
+
+
+def test_bad_dtype_is_refused(exported: Any) -> None:
+    with pytest.raises(ValueError, match="consolidate\\(dtype='int8'\\) is not one of 'fp32', 'bf16', 'fp16'"):
+        consolidate(exported["directory"] / "small.ckpt", exported["directory"] / "x.pt", dtype="int8")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ atomic replacement
+def _complete_checkpoint(path: Path, marker: str) -> None:
+    """A tiny but real checkpoint directory (single process)."""
+    model = nn.Linear(2, 2)
+    meta = sharded.CheckpointMeta(world_size=1, stage=2, model_keys=list(model.state_dict()), aliases={},
+                                  param_dtypes={}, lightning={"marker": marker})
+    sharded.save_sharded(path, {"model": {k: v.detach() for k, v in model.state_dict().items()},
+                                sharded.META_KEY: meta.to_entry()})
+
+
+def test_save_replaces_a_checkpoint_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    _complete_checkpoint(path, "first")
+    _complete_checkpoint(path, "second")
+    assert sharded.read_meta(path).lightning == {"marker": "second"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_crash_between_the_two_renames_falls_back_to_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "last.ckpt"
+    _complete_checkpoint(path, "first")
+    monkeypatch.setattr(sharded, "_exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
+    real_rename = os.rename
+
+    def rename_then_crash(src: Any, dst: Any) -> None:
+        if Path(dst) == path:  # the old one was moved aside; the new one is not in place yet
+            raise KeyboardInterrupt("killed between the renames")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(sharded.os, "rename", rename_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        _complete_checkpoint(path, "second")
+    monkeypatch.setattr(sharded.os, "rename", real_rename)
+    assert not path.exists()
+    with caplog.at_level(logging.WARNING):
+        found = sharded.resolve_checkpoint_path(path)
+    assert found == tmp_path / ".last.ckpt.previous" and "interrupted" in caplog.text
+    assert sharded.read_meta(found).lightning == {"marker": "first"}
+    # The next save completes normally and cleans up.
+    _complete_checkpoint(path, "third")
+    assert sharded.read_meta(path).lightning == {"marker": "third"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_an_interrupted_first_save_is_reported_as_such(tmp_path: Path) -> None:
+    (tmp_path / ".last.ckpt.partial").mkdir()
+    with pytest.raises(CheckpointError, match="a save to this path was interrupted before it completed"):
+        sharded.resolve_checkpoint_path(tmp_path / "last.ckpt")
+
+
+def test_flat_ranges_become_boxes_of_the_true_shape() -> None:
+    for shape in [(5, 7), (3, 4, 5), (13,), (), (2, 3, 4, 5)]:
+        flat = torch.arange(max(1, int(torch.tensor(shape).prod()))).reshape(shape)
+        numel = flat.numel()
+        for start in range(numel + 1):
+            for end in range(start, numel + 1):
+                covered = []
+                boxes = sharded.flat_range_boxes(shape, start, end)
+                assert len(boxes) <= max(1, 2 * len(shape) - 1)
+                for offsets, sizes, flat_range in boxes:
+                    box = flat[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                    assert torch.equal(box.reshape(-1), flat.reshape(-1)[flat_range.start : flat_range.end])
+                    covered.extend(range(flat_range.start, flat_range.end))
+                assert covered == list(range(start, end))
