@@ -108,9 +108,11 @@ def _same_world(directory: str) -> dict[str, Any]:
         whole, _ = run(make(), 2, 4, **kwargs)
         save_dir = os.path.join(directory, name)
         checkpoints = ModelCheckpoint(dirpath=save_dir, every_n_epochs=1, save_top_k=-1)
+        latest_dir = os.path.join(directory, name + "_latest")  # keeps one: the older one is removed
+        latest = ModelCheckpoint(dirpath=latest_dir, every_n_train_steps=8, save_top_k=1)
         if name.endswith("fp16"):
             kwargs["plugins"] = plugins()
-        first, _ = run(make(), 2, 2, callbacks=[checkpoints], **kwargs)
+        first, _ = run(make(), 2, 2, callbacks=[checkpoints, latest], **kwargs)
         saved = os.path.join(save_dir, "epoch=1-step=16.ckpt")
         if name.endswith("fp16"):
             kwargs["plugins"] = plugins()
@@ -120,7 +122,7 @@ def _same_world(directory: str) -> dict[str, Any]:
         out[name] = {
             "whole": params_of(whole), "resumed": params_of(resumed), "whole_losses": whole.losses,
             "resumed_losses": resumed.losses, "files": sorted(os.listdir(saved)), "is_dir": os.path.isdir(saved),
-            "saved": sorted(os.listdir(save_dir)), "global_step": restored.global_step, "end_step": fitted.global_step,
+            "saved": sorted(os.listdir(save_dir)), "latest": sorted(os.listdir(latest_dir)), "global_step": restored.global_step, "end_step": fitted.global_step,
             "scaler": scaler,
         }
     # The source of the 2 -> 1 and 2 -> 4 cases: ZeRO-2, 2 ranks, 2 epochs.
@@ -189,6 +191,16 @@ def _one_rank(directory: str) -> dict[str, Any]:
     return out
 
 
+class SGDGPT(TiedGPT):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class OneGroupGPT(TiedGPT):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
 class WiderGPT(TinyGPT):
     def __init__(self) -> None:
         super().__init__(width=48)
@@ -218,6 +230,9 @@ def _errors(directory: str) -> dict[str, Any]:
         ("other_model_full", TinyGPT(), str(base / "two_ranks.full.ckpt")),
         ("wider_sharded", WiderGPT(), str(base / "two_ranks.ckpt")),
         ("wider_full", WiderGPT(), str(base / "two_ranks.full.ckpt")),
+        ("other_optimizer_sharded", SGDGPT(), str(base / "two_ranks.ckpt")),
+        ("other_groups_sharded", OneGroupGPT(), str(base / "two_ranks.ckpt")),
+        ("other_groups_full", OneGroupGPT(), str(base / "two_ranks.full.ckpt")),
     ]
     out: dict[str, Any] = {}
     for name, module, path in cases:
@@ -331,6 +346,7 @@ def test_resume_at_the_same_world_size_equals_the_uninterrupted_run(results: dic
     result = results["same"][case]
     assert result["is_dir"] and result["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert result["saved"] == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt"]  # ModelCheckpoint, every epoch
+    assert result["latest"] == ["epoch=1-step=16.ckpt"]  # save_top_k=1 removed the first directory
     assert result["global_step"] == 16 and result["end_step"] == 32
     assert _equal(result["whole"], result["resumed"]), case
     assert result["whole_losses"][16:] == result["resumed_losses"]
@@ -417,6 +433,9 @@ def test_ddp_checkpoint_into_zero3(results: dict[str, Any]) -> None:
         ("other_model_full", ["does not fit the model", "missing keys", "unexpected keys", "Nothing was loaded"]),
         ("wider_sharded", ["shape mismatches", "'embed.weight' checkpoint (32, 32) vs model (32, 48)"]),
         ("wider_full", ["shape mismatches", "'embed.weight' checkpoint (32, 32) vs model (32, 48)"]),
+        ("other_optimizer_sharded", ["Optimizer 0 is SGD", "holds a AdamW state", "Nothing was loaded"]),
+        ("other_groups_sharded", ["Optimizer 0 has 1 param groups", "has 2", "Nothing was loaded"]),
+        ("other_groups_full", ["Optimizer 0 cannot load the state", "2 param groups", "Nothing was loaded"]),
     ],
 )
 def test_bad_checkpoints_fail_clearly_and_load_nothing(results: dict[str, Any], case: str, patterns: list[str]) -> None:
