@@ -33,6 +33,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.modules.batchnorm import _NormBase
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -105,6 +106,9 @@ class ZeroPrecision(Precision):
         for param in module.parameters():
             if param.is_floating_point() and param.dtype != self.param_dtype:
                 param.data = param.data.to(self.param_dtype)
+        # Autocast leaves batch norm alone, and batch norm wants its running statistics in its
+        # weight's dtype: they follow the weights (as in DeepSpeed's bf16/fp16 modes).
+        cast_norm_statistics(module, self.param_dtype)
         return module
 
     @override
@@ -187,3 +191,12 @@ def _as_zero_optimizer(optimizer: Any, what: str) -> ShardedOptimizer:
             " Pass the optimizer from `self.optimizers()` (or let Lightning clip via gradient_clip_val)."
         )
     return optimizer
+
+
+def cast_norm_statistics(module: Module, dtype: torch.dtype) -> None:
+    """Casts the running statistics of every affine batch/instance norm in ``module`` to ``dtype``."""
+    for submodule in module.modules():
+        if isinstance(submodule, _NormBase) and submodule.weight is not None:
+            for name, buffer in submodule.named_buffers(recurse=False):
+                if buffer is not None and buffer.is_floating_point():
+                    setattr(submodule, name, buffer.to(dtype))

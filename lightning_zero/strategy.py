@@ -61,7 +61,7 @@ from lightning_zero.checkpoint.state import (
 )
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPUOffloadPolicy
-from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
+from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, ZeroOptimizer, no_sync
@@ -692,6 +692,8 @@ class ZeroStrategy(ParallelStrategy):
         elif restore_fp32:
             for param, value in self._master_values(keep=True).items():
                 param.data = value.clone()
+        if restore_fp32 and self.lightning_module is not None:
+            cast_norm_statistics(self.lightning_module, torch.float32)
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()

@@ -4,6 +4,7 @@ replacement of a checkpoint directory."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -34,9 +35,34 @@ def _big_model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
 
 
+class Counter(nn.Module):
+    """Counts its forwards and keeps the count as extra state (get/set_extra_state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return x
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.count = state["count"]
+
+
 def _small_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+    # BatchNorm statistics differ between ranks (each sees its own data): the checkpoint keeps rank 0's.
+    return nn.Sequential(nn.Linear(6, 10), nn.BatchNorm1d(10), Counter(), nn.Tanh(), nn.Linear(10, 3))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
 
 
 def _step(model: nn.Module, optimizer: Any) -> None:
@@ -56,7 +82,7 @@ def _engine_round_trip(directory: str) -> dict[str, Any]:
     save_checkpoint(os.path.join(directory, "small.ckpt"), model, [optimizer], extra={"note": "engine"})
     optimizer.consolidate_state_dict()
     out["saved_optimizer"] = optimizer.state_dict() if dist.get_rank() == 0 else None
-    out["saved_params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["saved_params"] = copy.deepcopy(model.state_dict())
 
     other = _small_model()
     for param in other.parameters():
@@ -71,6 +97,12 @@ def _engine_round_trip(directory: str) -> dict[str, Any]:
     out["loaded_optimizer"] = zero3.state_dict() if dist.get_rank() == 0 else None
     out["loaded_params"] = engine.full_state_dict()
     engine.remove_hooks()
+    out["loaded_running_mean"] = other[1].running_mean.clone()
+    out["loaded_count"] = other[2].count
+    if dist.get_rank() == 0:
+        consolidate(os.path.join(directory, "small.ckpt"), os.path.join(directory, "small.pt"), progress=False)
+    dist.barrier()
+    out["consolidated"] = torch.load(os.path.join(directory, "small.pt"), weights_only=False)["state_dict"]
 
     big = _big_model()
     big_optimizer = ZeroOptimizer(torch.optim.AdamW(big.parameters()), big, Collectives(), ZeroConfig(stage=2))
@@ -117,18 +149,29 @@ print(json.dumps({"before": before, "peak": peak(), "reset": reset, "size": os.p
 @pytest.fixture(scope="module")
 def exported() -> Any:
     with tempfile.TemporaryDirectory() as directory:
-        engine = run_on_ranks(_engine_round_trip, 2, directory)[0]
-        yield {"directory": Path(directory), "engine": engine}
+        ranks = run_on_ranks(_engine_round_trip, 2, directory)
+        yield {"directory": Path(directory), "engine": ranks[0], "ranks": ranks}
 
 
 def test_engine_checkpoint_loads_into_another_stage_without_a_trainer(exported: Any) -> None:
     engine = exported["engine"]
     assert engine["extra"] == {"note": "engine"}
     saved, loaded = engine["saved_params"], engine["loaded_params"]
-    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert saved.keys() == loaded.keys() and all(_same(saved[k], loaded[k]) for k in saved)
+    assert saved["2._extra_state"] == {"count": 3}  # three training forwards
+    assert [rank["loaded_count"] for rank in exported["ranks"]] == [3, 3]
     a, b = engine["saved_optimizer"], engine["loaded_optimizer"]
     assert a["param_groups"] == b["param_groups"]
     assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+
+
+def test_buffers_that_differ_between_ranks_are_saved_from_rank_0(exported: Any) -> None:
+    rank0, rank1 = exported["ranks"]
+    assert not torch.equal(rank0["saved_params"]["1.running_mean"], rank1["saved_params"]["1.running_mean"])
+    for rank in (rank0, rank1):
+        assert torch.equal(rank["loaded_running_mean"], rank0["saved_params"]["1.running_mean"])
+    consolidated = rank0["consolidated"]
+    assert all(_same(consolidated[k], v) for k, v in rank0["saved_params"].items())
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
@@ -180,9 +223,11 @@ def test_console_command_exports_bf16_safetensors_with_a_progress_bar(exported: 
     from safetensors.torch import load_file
 
     weights = load_file(out)
-    saved = exported["engine"]["saved_params"]
-    assert {k: v.dtype for k, v in weights.items()} == dict.fromkeys(saved, torch.bfloat16)
-    assert all(torch.equal(weights[k], saved[k].bfloat16()) for k in saved)
+    saved = {k: v for k, v in exported["engine"]["saved_params"].items() if isinstance(v, torch.Tensor)}
+    cast = {k: v.bfloat16() if v.is_floating_point() else v for k, v in saved.items()}
+    assert {k: v.dtype for k, v in weights.items()} == {k: v.dtype for k, v in cast.items()}
+    assert all(torch.equal(weights[k], cast[k]) for k in cast)
+    assert "leaves out the module's non-tensor state ['2._extra_state']" in result.stderr
 
 
 def test_console_command_is_installed() -> None:

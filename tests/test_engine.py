@@ -59,7 +59,44 @@ def _engine_cases() -> dict[str, Any]:
     out["reduce_scatters_after"] = sum(c.op == "reduce_scatter" for c in counting.calls)
     out["buckets"] = sum(len(b.buckets) for b in optimizer.flat_buffers)
     out["grads_are_none"] = all(p.grad is None for p in model.parameters())
+    out["adagrad"] = _adagrad_against_torch(data)
     return out
+
+
+def _adagrad_against_torch(data: torch.Tensor) -> dict[str, float]:
+    """Adagrad creates its state in its constructor: ZeRO re-creates it for the shards (stages 2
+    and 3) and then steps like torch's Adagrad on the averaged gradient."""
+    from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
+
+    reference = _model()
+    torch_adagrad = torch.optim.Adagrad(reference.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    zero2_model, zero3_model = _model(), _model()
+    zero2 = ZeroOptimizer(torch.optim.Adagrad(zero2_model.parameters(), lr=0.1, initial_accumulator_value=0.5),
+                          zero2_model, Collectives(), ZeroConfig(stage=2, reduce_bucket_size=16))
+    engine = Zero3Engine(zero3_model, Collectives(), unit_classes=(), min_unit_numel=1, persistence_threshold=0,
+                         prefetch_units=1, prefetch_bytes=0, param_dtype=None, grad_dtype=torch.float32,
+                         device=torch.device("cpu"))
+    engine.shard()
+    engine.install_hooks()
+    zero3 = Zero3Optimizer(torch.optim.Adagrad(zero3_model.parameters(), lr=0.1, initial_accumulator_value=0.5),
+                           engine, ZeroConfig(stage=3))
+    for _ in range(3):
+        reference(data).pow(2).mean().backward()
+        for param in reference.parameters():
+            dist.all_reduce(param.grad)
+            param.grad /= WORLD
+        torch_adagrad.step()
+        torch_adagrad.zero_grad()
+        for model, optimizer in ((zero2_model, zero2), (zero3_model, zero3)):
+            model(data).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    whole = engine.full_state_dict()
+    engine.remove_hooks()
+    expected = reference.state_dict()
+    zero3_diff = max((whole[k] - v).abs().max().item() for k, v in expected.items()) if whole else 0.0
+    return {"zero2": max((zero2_model.state_dict()[k] - v).abs().max().item() for k, v in expected.items()),
+            "zero3": zero3_diff}
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +119,8 @@ def test_no_sync_defers_every_reduction_to_the_step(results: list[dict[str, Any]
         assert per_rank["calls_under_no_sync"] == 0
         assert per_rank["reduce_scatters_after"] == per_rank["buckets"] > 1
         assert per_rank["grads_are_none"]
+
+
+def test_adagrad_whose_constructor_builds_state_is_sharded_and_matches_torch(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        assert per_rank["adagrad"]["zero2"] <= 1e-6 and per_rank["adagrad"]["zero3"] <= 1e-6

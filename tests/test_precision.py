@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from harness import launched_environment, run_on_ranks
 from lightning_zero import Collectives, ZeroConfig, ZeroOptimizer, ZeroPrecision, ZeroStrategy
@@ -152,7 +153,34 @@ def _all_cases(directory: str) -> dict[str, Any]:
                                            plugins=[ZeroPrecision("16-mixed")]),
         "manual_fp32": _manual(ZeroStrategy(stage=1)),
         "manual_fp16": _manual(ZeroStrategy(stage=1), plugins=[ZeroPrecision("16-mixed")]),
+        "batch_norm": {stage: _batch_norm(stage) for stage in (2, 3)},
     }
+
+
+class BatchNormNet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.net(batch[0]).pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def _batch_norm(stage: int) -> dict[str, Any]:
+    """bf16-mixed holds BatchNorm's weight in bf16; its running statistics follow (else it fails)."""
+    pl.seed_everything(0)
+    module = BatchNormNet()
+    data = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8)
+    with launched_environment():
+        _trainer(ZeroStrategy(stage=stage), 6, precision="bf16-mixed").fit(module, train_dataloaders=data)
+    bn = module.net[1]
+    return {"losses": module.losses, "handed_back": {bn.weight.dtype, bn.running_mean.dtype, bn.running_var.dtype}}
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +265,10 @@ def test_gradients_reduce_in_the_configured_dtype() -> None:
         assert outcome["reduce_dtypes"] == {torch.bfloat16}
         assert outcome["gather_dtypes"] == {torch.bfloat16}
         assert outcome["master_dtypes"] == {torch.float32}
+
+
+def test_batch_norm_trains_in_bf16_mixed_and_comes_back_in_fp32(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        for stage, record in per_rank["batch_norm"].items():
+            assert len(record["losses"]) == 6 and all(math.isfinite(loss) for loss in record["losses"]), stage
+            assert record["handed_back"] == {torch.float32}, stage

@@ -8,7 +8,7 @@ machine without GPUs or a process group.
 
 from __future__ import annotations
 
-import io
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,12 +25,15 @@ from lightning_zero.checkpoint.sharded import (
     MODEL_KEY,
     CheckpointError,
     CheckpointMeta,
+    from_object_entry,
     optimizer_key,
     quiet_dcp,
     read_meta,
     read_metadata,
     resolve_checkpoint_path,
 )
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What a weights-only export keeps of Lightning's checkpoint besides the weights.
@@ -85,9 +88,9 @@ def consolidate(
     if target.suffix == ".safetensors":
         extra = [k for k, v in model.items() if not isinstance(v, _Entry)]
         if extra:
-            raise CheckpointError(f"{source} holds non-tensor module state ({extra[:5]}) that safetensors cannot store;"
-                                  " export to a .pt file instead.")
-        entries = list(model.values())
+            log.warning(f"{target} leaves out the module's non-tensor state {extra[:5]}: safetensors stores tensors"
+                        " only. Export to a .pt file to keep it.")
+        entries = [v for v in model.values() if isinstance(v, _Entry)]
         specs = {e.key: (e.dtype, e.shape) for e in entries}  # type: ignore[union-attr]
         info = {"format": "pt", "lightning_zero_source": str(source), "global_step": str(meta.lightning.get("global_step"))}
         save_safetensors_streamed(target, specs, _stream(source, entries, progress, by_key=True), metadata=info)
@@ -172,11 +175,7 @@ def _read_objects(path: Path, keys: list[str]) -> dict[str, Any]:
     holder: dict[str, Any] = dict.fromkeys(keys)
     with quiet_dcp():
         dcp.load(holder, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    for key, value in holder.items():
-        if isinstance(value, io.BytesIO):
-            value.seek(0)
-            holder[key] = torch.load(value, map_location="cpu", weights_only=False)
-    return holder
+    return {key: from_object_entry(value) for key, value in holder.items()}
 
 
 def _stream(path: Path, entries: list[_Entry], progress: bool, by_key: bool) -> Iterator[tuple[str, Tensor]]:

@@ -104,18 +104,11 @@ class CheckpointMeta:
     version: int = FORMAT_VERSION
 
     def to_entry(self) -> io.BytesIO:
-        """The DCP entry: pre-serialized bytes, so that DCP stores one object (it would flatten a
-        dict into one entry per key) and hands back the dict on load."""
-        buffer = io.BytesIO()
-        torch.save(dict(self.__dict__), buffer)
-        buffer.seek(0)
-        return buffer
+        return object_entry(dict(self.__dict__))
 
     @classmethod
     def from_dict(cls, path: Path, value: Any) -> CheckpointMeta:
-        if isinstance(value, io.BytesIO):  # how DCP hands back the entry written by to_entry()
-            value.seek(0)
-            value = torch.load(value, map_location="cpu", weights_only=False)
+        value = from_object_entry(value)
         if not isinstance(value, dict) or value.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{path} is a torch.distributed.checkpoint directory but not one written by"
                                   " lightning_zero (no lightning_zero metadata). Load it with torch.distributed.checkpoint.")
@@ -123,6 +116,23 @@ class CheckpointMeta:
             raise CheckpointError(f"{path} has lightning_zero checkpoint format {value['version']}, newer than this"
                                   f" lightning_zero reads ({FORMAT_VERSION}): upgrade lightning-zero.")
         return cls(**value)
+
+
+def object_entry(value: Any) -> io.BytesIO:
+    """A DCP entry holding one Python object: pre-serialized, since DCP would flatten a dict into
+    one entry per key (and fill a tensor in place rather than hand it back)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def from_object_entry(value: Any) -> Any:
+    """The object of an :func:`object_entry`, as DCP hands it back (a BytesIO)."""
+    if isinstance(value, io.BytesIO):
+        value.seek(0)
+        return torch.load(value, map_location="cpu", weights_only=False)
+    return value
 
 
 # ---------------------------------------------------------------------------------------- layout

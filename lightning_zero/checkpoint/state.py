@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_zero.checkpoint.sharded import (
@@ -19,7 +20,9 @@ from lightning_zero.checkpoint.sharded import (
     CheckpointMeta,
     FlatShards,
     describe_mismatch,
+    from_object_entry,
     load_sharded,
+    object_entry,
     optimizer_key,
     resolve_checkpoint_path,
     save_sharded,
@@ -57,9 +60,18 @@ def _sharded(piece: ParamPiece, local: Tensor, rank: int, group: dist.ProcessGro
 
 
 # ---------------------------------------------------------------------------------------- save
+def is_extra_state(key: str) -> bool:
+    return key == _EXTRA_STATE_KEY_SUFFIX or key.endswith("." + _EXTRA_STATE_KEY_SUFFIX)
+
+
 def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None) -> dict[str, Any]:
     """The module's state dict for a sharded save: a parameter with a master piece is saved as the
-    fp32 master values, sharded like the pieces; everything else whole (replicated)."""
+    fp32 master values, sharded like the pieces; everything else whole, from rank 0 only.
+
+    Rank 0's, not any rank's: ZeRO does not re-broadcast buffers every forward as DDP does, so
+    e.g. BatchNorm statistics differ between ranks, and DCP would keep an arbitrary rank's copy
+    of an entry every rank offers. A module's extra state is one pickled object.
+    """
     rank = _rank(group)
     by_param = {piece.param: piece for piece in pieces}
     aliases = tied_aliases(module)
@@ -70,10 +82,12 @@ def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.P
         piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
         if piece is not None and value.numel() > 0:
             entries[key] = _sharded(piece, piece.master, rank, group)
-        elif isinstance(value, Tensor):
-            entries[key] = value.detach()
+        elif rank != 0:
+            continue
+        elif is_extra_state(key):
+            entries[key] = object_entry(value)
         else:
-            entries[key] = value  # a module's extra state
+            entries[key] = value.detach()
     return entries
 
 
@@ -96,7 +110,7 @@ def optimizer_entries(
                 per_element.add(key)
                 if piece.param.numel() > 0:
                     entry[key] = _sharded(piece, piece.in_holder.slice(value), rank, group)
-            else:
+            elif rank == 0:  # the same on every rank; saved once (see model_entries)
                 entry[key] = value.detach() if isinstance(value, Tensor) else value
         if entry:
             entries[piece.name] = entry
@@ -331,11 +345,11 @@ def load_into(
         piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
         if piece is not None and value.numel() > 0:
             target: Any = _sharded(piece, piece.master, rank, group)
-        elif isinstance(value, Tensor):
-            target = value.data
-        else:
-            target = None
+        elif is_extra_state(key):
+            target = None  # DCP puts the saved object here
             extra_state.append((key, source))
+        else:
+            target = value.data
         if source in model_targets:
             second_reads[source] = target
         else:
@@ -355,7 +369,7 @@ def load_into(
         load.finish()
     for key, source in extra_state:
         owner = module.get_submodule(key[: -len("._extra_state")]) if key.endswith("._extra_state") else module
-        owner.set_extra_state(model_targets[source])
+        owner.set_extra_state(from_object_entry(model_targets[source]))
     return meta
 
 

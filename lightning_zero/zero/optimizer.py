@@ -54,6 +54,13 @@ _NON_ELEMENTWISE = {
 }
 
 
+def _has_only_constructor_state(optimizer: Optimizer) -> bool:
+    """True for an Adagrad whose state is still the one its constructor created (no step yet)."""
+    if not isinstance(optimizer, torch.optim.Adagrad) or not optimizer.state:
+        return False
+    return all(float(entry.get("step", 0)) == 0 for entry in optimizer.state.values())
+
+
 class SyncState(enum.Enum):
     """Whether the master-gradient shards hold every gradient produced so far."""
 
@@ -119,6 +126,11 @@ class ShardedOptimizer(Optimizer):
         loss_scaler: LossScaler | None,
     ) -> None:
         check_shardable(optimizer, config)
+        # Adagrad builds its (initial) state in its constructor, for whole parameters; it is
+        # re-created for the master shards once they exist (_finish_init).
+        self._initial_state_at_init = _has_only_constructor_state(optimizer)
+        if self._initial_state_at_init:
+            optimizer.state.clear()
         if any(optimizer.state.values()):
             raise ValueError(
                 f"The {type(optimizer).__name__} handed to ZeRO already has optimizer state; ZeRO must shard it"
@@ -152,6 +164,13 @@ class ShardedOptimizer(Optimizer):
         super().__init__(masters or [torch.zeros(0)], dict(self.optimizer.defaults))
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
+        if self._initial_state_at_init:
+            for group, group_masters in zip(self.optimizer.param_groups, self._group_masters()):
+                for master in group_masters:
+                    self.optimizer.state[master] = {
+                        "step": torch.tensor(0.0),
+                        "sum": torch.full_like(master, group["initial_accumulator_value"]),
+                    }
 
     # ------------------------------------------------------------------ layout (subclasses)
     def _master_grads(self) -> Iterator[Tensor]:
