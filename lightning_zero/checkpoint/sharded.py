@@ -13,7 +13,8 @@ written by 4 ranks at stage 3 load into 2 ranks at stage 2, or into 1 rank, with
 
 Keys of the DCP state dict:
   ``model.<state-dict key>``                      weights, fp32 master values for trained params;
-                                                  buffers and params outside the optimizers whole
+                                                  buffers and params outside the optimizers whole,
+                                                  from rank 0; extra state pickled
   ``optimizer_<i>.<param name>.<state key>``     per-element state with the parameter's shape,
                                                   per-parameter scalars (Adam's step) as they are
   ``lightning_zero``                              one pickled dict (:class:`CheckpointMeta` fields):
