@@ -237,6 +237,7 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.Pro
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
     if rank == 0:
         _commit(staging, target)
+        _fsync_directory(target.parent)  # the rename itself survives a power cut
     if distributed:
         dist.barrier(group=group)
 
@@ -257,6 +258,19 @@ def _commit(staging: Path, target: Path) -> None:
     os.rename(target, previous)
     os.rename(staging, target)
     _remove(previous)
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # not every platform opens directories
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
 
 
 def _exchange(a: Path, b: Path) -> bool:
