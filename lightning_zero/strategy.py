@@ -57,6 +57,7 @@ from lightning_zero.checkpoint.state import (
     model_entries,
     optimizer_entries,
     param_names,
+    publish_masters,
     sharded_state,
 )
 from lightning_zero.config import ZeroConfig
@@ -584,12 +585,7 @@ class ZeroStrategy(ParallelStrategy):
         if is_sharded_checkpoint(path) or path.is_dir():
             optimizers = self.zero_optimizers if fitting else None
             meta = load_into(path, module, self._model_pieces(), optimizers, group=None, strict=module.strict_loading)
-            with torch.no_grad():
-                if self._engine is not None:
-                    self._engine.publish_masters()
-                else:
-                    for optimizer in self.zero_optimizers:
-                        optimizer.publish_params()
+            publish_masters(self._engine, self.zero_optimizers)
             self._checkpoint_applied = True
             checkpoint = dict(meta.lightning)
             has_optimizer_state = bool(meta.optimizers)

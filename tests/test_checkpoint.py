@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from contextlib import nullcontext
 import signal
 import tempfile
 from pathlib import Path
@@ -55,7 +56,7 @@ class Restored(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        with strategy.gathered_params(writeback=False) if isinstance(strategy, ZeroStrategy) else _nothing():
+        with strategy.gathered_params(writeback=False) if isinstance(strategy, ZeroStrategy) else nullcontext():
             self.params = params_of(module)
         optimizer = trainer.optimizers[0]
         if hasattr(optimizer, "consolidate_state_dict"):
@@ -64,14 +65,6 @@ class Restored(Callback):
         self.optimizer = copy.deepcopy(optimizer.state_dict()) if trainer.is_global_zero else None
         self.global_step = trainer.global_step
         self.lr = optimizer.param_groups[0]["lr"]
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: Any) -> None:
-        return None
 
 
 def save_both(fitted: pl.Trainer, directory: str, name: str) -> None:

@@ -9,6 +9,7 @@ machine without GPUs or a process group.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,10 +54,7 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * torch.empty((), dtype=self.saved_dtype).element_size()
+        return math.prod(self.shape) * self.saved_dtype.itemsize
 
 
 def consolidate(
@@ -184,7 +182,7 @@ def _stream(path: Path, entries: list[_Entry], progress: bool, by_key: bool) -> 
     budget = max([e.nbytes for e in entries] + [1 << 20])
     total = sum(e.nbytes for e in entries)
     reader = dcp.FileSystemReader(path)
-    bar = _progress_bar(progress, path, total)
+    bar = _Bar(path, total) if progress else None
     try:
         batch: list[_Entry] = []
         size = 0
@@ -231,7 +229,3 @@ class _Bar:
 
     def close(self) -> None:
         self._progress.stop()
-
-
-def _progress_bar(enabled: bool, path: Path, total: int) -> _Bar | None:
-    return _Bar(path, total) if enabled else None

@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_zero.zero.flat_buffer import Range
 
@@ -207,6 +207,15 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
 
 
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_of(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group``; 0 in a single process without a process group."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
 # ---------------------------------------------------------------------------------------- save
 def _staging_path(path: Path) -> Path:
     return path.parent / f".{path.name}.partial"
@@ -223,8 +232,8 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.Pro
     A collective when a process group is initialized: every rank calls it with its own shards.
     """
     target = Path(path)
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(group) if distributed else 0
+    distributed = is_distributed()
+    rank = rank_of(group)
     staging = _staging_path(target)
     if rank == 0:
         if staging.exists():
@@ -370,18 +379,8 @@ def read_meta(path: Path, metadata: Metadata | None = None) -> CheckpointMeta:
 def load_sharded(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
     """Reads into ``state`` (in place: ShardedTensors' local shards and plain tensors are filled,
     other entries replaced). A collective when a process group is initialized."""
-    distributed = dist.is_available() and dist.is_initialized()
     with quiet_dcp():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not distributed)
-
-
-def tensor_shapes(metadata: Metadata, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Global shape and dtype of every tensor saved under ``prefix.``, by the rest of its key."""
-    result = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(prefix + ".") and isinstance(md, TensorStorageMetadata):
-            result[key[len(prefix) + 1 :]] = (md.size, md.properties.dtype)
-    return result
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not is_distributed())
 
 
 def describe_mismatch(

@@ -21,20 +21,18 @@ from lightning_zero.checkpoint.sharded import (
     FlatShards,
     describe_mismatch,
     from_object_entry,
+    is_distributed,
     load_sharded,
     object_entry,
     optimizer_key,
-    resolve_checkpoint_path,
-    save_sharded,
+    rank_of,
     read_meta,
     read_metadata,
+    resolve_checkpoint_path,
+    save_sharded,
 )
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, _check_full_optimizer_state
 from lightning_zero.zero.stage3 import Zero3Engine
-
-
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:
@@ -72,7 +70,7 @@ def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.P
     e.g. BatchNorm statistics differ between ranks, and DCP would keep an arbitrary rank's copy
     of an entry every rank offers. A module's extra state is one pickled object.
     """
-    rank = _rank(group)
+    rank = rank_of(group)
     by_param = {piece.param: piece for piece in pieces}
     aliases = tied_aliases(module)
     entries: dict[str, Any] = {}
@@ -99,7 +97,7 @@ def optimizer_entries(
     State shaped like the master piece is saved with the parameter's shape, sharded; anything else
     (Adam's step count) as it is, once per parameter.
     """
-    rank = _rank(group)
+    rank = rank_of(group)
     per_element: set[str] = set()
     entries: dict[str, Any] = {}
     for piece in optimizer.param_pieces():
@@ -143,7 +141,7 @@ def sharded_state(
     state: dict[str, Any] = {MODEL_KEY: model}
     for index, (entries, _) in enumerate(optimizers):
         state[optimizer_key(index)] = entries
-    if _rank(group) == 0:
+    if rank_of(group) == 0:
         module_state = module.state_dict(keep_vars=True)
         meta = CheckpointMeta(
             world_size=world_size,
@@ -171,7 +169,7 @@ def save_checkpoint(
     pieces = engine.param_pieces() if engine is not None else [p for o in optimizers for p in o.param_pieces()]
     names = param_names(module)
     stage = 3 if engine is not None else max([o.config.stage for o in optimizers] + [1])
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size(group) if is_distributed() else 1
     state = sharded_state(module, model_entries(module, pieces, group),
                           [optimizer_entries(o, names, group) for o in optimizers], dict(extra or {}), world, stage, group)
     save_sharded(path, state, group)
@@ -189,28 +187,43 @@ def load_checkpoint(
     optimizers, without Lightning; returns the checkpoint's Lightning part. A collective."""
     pieces = engine.param_pieces() if engine is not None else [p for o in optimizers or () for p in o.param_pieces()]
     meta = load_into(resolve_checkpoint_path(path), module, pieces, optimizers, group, strict)
+    publish_masters(engine, optimizers or ())
+    return meta.lightning
+
+
+def publish_masters(engine: Zero3Engine | None, optimizers: Sequence[ShardedOptimizer]) -> None:
+    """After masters were loaded: the parameters take their values (a collective)."""
     with torch.no_grad():
         if engine is not None:
             engine.publish_masters()
         else:
-            for optimizer in optimizers or ():
+            for optimizer in optimizers:
                 optimizer.publish_params()
-    return meta.lightning
 
 
 # ---------------------------------------------------------------------------------------- load
 def check_model_fits(path: Path, metadata: Metadata, meta: CheckpointMeta, module: nn.Module, strict: bool) -> None:
     """Raises CheckpointError naming every missing, unexpected and mis-shaped key (before anything loads)."""
-    saved = {k[len(MODEL_KEY) + 1 :]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(MODEL_KEY + ".")}
-    saved_keys = set(meta.model_keys)
+    prefix = MODEL_KEY + "."
+    saved = {k[len(prefix) :]: md.size for k, md in metadata.state_dict_metadata.items()
+             if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    shapes = {key: saved[meta.aliases.get(key, key)] for key in meta.model_keys if meta.aliases.get(key, key) in saved}
+    _check_fits(path, meta.model_keys, shapes, module, strict)
+
+
+def _check_fits(
+    path: Path, saved_keys: Sequence[str], saved_shapes: Mapping[str, Sequence[int]], module: nn.Module, strict: bool
+) -> None:
+    """The one comparison of a checkpoint's keys and tensor shapes with the module's state dict."""
     mine = module.state_dict(keep_vars=True)
-    missing = [k for k in mine if k not in saved_keys]
-    unexpected = [k for k in meta.model_keys if k not in mine]
-    wrong: dict[str, tuple[Sequence[int], Sequence[int]]] = {}
-    for key, value in mine.items():
-        md = saved.get(meta.aliases.get(key, key))
-        if isinstance(value, Tensor) and isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
-            wrong[key] = (tuple(md.size), tuple(value.shape))
+    keys = set(saved_keys)
+    missing = [k for k in mine if k not in keys]
+    unexpected = [k for k in saved_keys if k not in mine]
+    wrong = {
+        key: (tuple(saved_shapes[key]), tuple(value.shape))
+        for key, value in mine.items()
+        if isinstance(value, Tensor) and key in saved_shapes and tuple(saved_shapes[key]) != tuple(value.shape)
+    }
     message = describe_mismatch(path, missing, unexpected, wrong, strict)
     if message:
         raise CheckpointError(message)
@@ -268,7 +281,7 @@ class _OptimizerLoad:
         self.targets: dict[str, dict[str, Any]] = {}
         self.state: dict[int, tuple[Tensor, dict[str, Any]]] = {}  # id(holder) -> (holder, state)
         self._scalars: list[tuple[Tensor, str, str]] = []  # (holder, param name, state key)
-        rank = _rank(group)
+        rank = rank_of(group)
         per_element = set(saved["per_element"])
         by_name = _saved_state_keys(metadata, optimizer_key(index))
         for piece in optimizer.param_pieces():
@@ -326,7 +339,7 @@ def load_into(
     names = param_names(module)
     if optimizers is not None and meta.optimizers:
         check_optimizers_fit(path, meta, optimizers, names)
-    rank = _rank(group)
+    rank = rank_of(group)
     saved_model = {k[len(MODEL_KEY) + 1 :] for k in metadata.state_dict_metadata if k.startswith(MODEL_KEY + ".")}
     by_param = {piece.param: piece for piece in model_pieces}
     model_targets: dict[str, Any] = {}
@@ -377,18 +390,8 @@ def load_into(
 def check_full_state_fits(path: Path, state_dict: Mapping[str, Any], module: nn.Module, strict: bool) -> None:
     """A whole-weights state dict against the module: names every missing, unexpected and
     mis-shaped key before anything is loaded."""
-    mine = module.state_dict(keep_vars=True)
-    missing = [k for k in mine if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in mine]
-    wrong = {
-        key: (tuple(value.shape), tuple(mine[key].shape))
-        for key, value in state_dict.items()
-        if key in mine and isinstance(value, Tensor) and isinstance(mine[key], Tensor)
-        and tuple(value.shape) != tuple(mine[key].shape)
-    }
-    message = describe_mismatch(path, missing, unexpected, wrong, strict)
-    if message:
-        raise CheckpointError(message)
+    shapes = {key: value.shape for key, value in state_dict.items() if isinstance(value, Tensor)}
+    _check_fits(path, list(state_dict), shapes, module, strict)
 
 
 def check_full_optimizer_states(path: Path, states: Any, optimizers: Sequence[ShardedOptimizer]) -> None:
