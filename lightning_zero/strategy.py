@@ -55,6 +55,7 @@ from lightning_zero.checkpoint.state import (
     check_full_state_fits,
     load_into,
     model_entries,
+    model_pieces,
     optimizer_entries,
     param_names,
     publish_masters,
@@ -503,11 +504,7 @@ class ZeroStrategy(ParallelStrategy):
         self._state_dict_type = value
 
     def _model_pieces(self) -> list[ParamPiece]:
-        """This rank's fp32 master piece of every parameter that has one (all at stage 3; at
-        stages 1/2 those the optimizers train)."""
-        if self._engine is not None:
-            return self._engine.param_pieces()
-        return [piece for optimizer in self.zero_optimizers for piece in optimizer.param_pieces()]
+        return model_pieces(self._engine, self.zero_optimizers)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -122,10 +122,15 @@ def optimizer_entries(
 
 def named_param_groups(optimizer: ShardedOptimizer, names: Mapping[nn.Parameter, str]) -> list[dict[str, Any]]:
     """The param groups' hyperparameters, with parameters listed by name."""
-    return [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in params]}
-        for group, params in zip(optimizer.param_groups, optimizer._group_params)
-    ]
+    return optimizer._indexed_param_groups(names)
+
+
+def model_pieces(engine: Zero3Engine | None, optimizers: Sequence[ShardedOptimizer]) -> list[ParamPiece]:
+    """This rank's fp32 master piece of every parameter that has one (all at stage 3; at stages
+    1/2 those the optimizers train)."""
+    if engine is not None:
+        return engine.param_pieces()
+    return [piece for optimizer in optimizers for piece in optimizer.param_pieces()]
 
 
 def sharded_state(
@@ -166,7 +171,7 @@ def save_checkpoint(
 ) -> None:
     """Saves a ZeRO model (and optimizers) as a sharded checkpoint, without Lightning; ``extra``
     is kept as the checkpoint's Lightning part (``CheckpointMeta.lightning``). A collective."""
-    pieces = engine.param_pieces() if engine is not None else [p for o in optimizers for p in o.param_pieces()]
+    pieces = model_pieces(engine, optimizers)
     names = param_names(module)
     stage = 3 if engine is not None else max([o.config.stage for o in optimizers] + [1])
     world = dist.get_world_size(group) if is_distributed() else 1
@@ -185,7 +190,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Loads a sharded checkpoint (any world size and stage) into a ZeRO model and, if given, its
     optimizers, without Lightning; returns the checkpoint's Lightning part. A collective."""
-    pieces = engine.param_pieces() if engine is not None else [p for o in optimizers or () for p in o.param_pieces()]
+    pieces = model_pieces(engine, optimizers or ())
     meta = load_into(resolve_checkpoint_path(path), module, pieces, optimizers, group, strict)
     publish_masters(engine, optimizers or ())
     return meta.lightning

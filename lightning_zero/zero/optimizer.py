@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -437,8 +437,9 @@ class ShardedOptimizer(Optimizer):
         consolidated, self._consolidated = self._consolidated, None
         return consolidated
 
-    def _indexed_param_groups(self, index_of: dict[nn.Parameter, int]) -> list[dict[str, Any]]:
-        """The param groups in torch's state-dict form: hyperparameters and parameter indices."""
+    def _indexed_param_groups(self, index_of: Mapping[nn.Parameter, Any]) -> list[dict[str, Any]]:
+        """The param groups in torch's state-dict form: hyperparameters, and each parameter's label
+        in ``index_of`` (its index for torch's format, its name for a sharded checkpoint)."""
         return [
             {**{k: v for k, v in group.items() if k != "params"}, "params": [index_of[p] for p in params]}
             for group, params in zip(self.param_groups, self._group_params)
