@@ -32,6 +32,7 @@ from lightning_zero.checkpoint.sharded import (
     read_meta,
     read_metadata,
     resolve_checkpoint_path,
+    saved_state_keys,
 )
 
 log = logging.getLogger(__name__)
@@ -145,20 +146,19 @@ def _optimizer_states(path: Path, metadata: Metadata, meta: CheckpointMeta) -> t
             for name in group["params"]:
                 index[name] = len(index)
         state: dict[int, dict[str, Any]] = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if not fqn.startswith(prefix + "."):
-                continue
-            name, state_key = fqn[len(prefix) + 1 :].rsplit(".", 1)
+        for name, saved_keys in saved_state_keys(metadata, prefix).items():
             if name not in index:
                 raise CheckpointError(f"{path} holds optimizer state for '{name}', which no param group lists: the"
                                       " checkpoint is damaged.")
-            if isinstance(md, TensorStorageMetadata):
-                entry = _Entry(fqn, fqn, tuple(md.size), md.properties.dtype, md.properties.dtype)
-                entries.append(entry)
-                state.setdefault(index[name], {})[state_key] = TensorRef(fqn, entry.dtype, entry.shape)
-            else:
-                objects[fqn] = (number, index[name], state_key)
-                state.setdefault(index[name], {})[state_key] = None
+            for state_key, md in saved_keys.items():
+                fqn = f"{prefix}.{name}.{state_key}"
+                if isinstance(md, TensorStorageMetadata):
+                    entry = _Entry(fqn, fqn, tuple(md.size), md.properties.dtype, md.properties.dtype)
+                    entries.append(entry)
+                    state.setdefault(index[name], {})[state_key] = TensorRef(fqn, entry.dtype, entry.shape)
+                else:
+                    objects[fqn] = (number, index[name], state_key)
+                    state.setdefault(index[name], {})[state_key] = None
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
                   for g in saved["param_groups"]]
         states.append({"state": dict(sorted(state.items())), "param_groups": groups})

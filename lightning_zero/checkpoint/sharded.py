@@ -383,6 +383,17 @@ def load_sharded(path: Path, state: dict[str, Any], group: dist.ProcessGroup | N
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not is_distributed())
 
 
+def saved_state_keys(metadata: Metadata, prefix: str) -> dict[str, dict[str, Any]]:
+    """Of an optimizer's entries (``<prefix>.<param name>.<state key>``): per parameter name, its
+    saved state keys and their storage metadata."""
+    result: dict[str, dict[str, Any]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix + "."):
+            name, state_key = key[len(prefix) + 1 :].rsplit(".", 1)
+            result.setdefault(name, {})[state_key] = md
+    return result
+
+
 def describe_mismatch(
     path: Path,
     missing: Sequence[str],

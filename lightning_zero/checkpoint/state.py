@@ -30,6 +30,7 @@ from lightning_zero.checkpoint.sharded import (
     read_metadata,
     resolve_checkpoint_path,
     save_sharded,
+    saved_state_keys,
 )
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, _check_full_optimizer_state
 from lightning_zero.zero.stage3 import Zero3Engine
@@ -266,16 +267,6 @@ def check_optimizers_fit(
                 )
 
 
-def _saved_state_keys(metadata: Metadata, prefix: str) -> dict[str, dict[str, Any]]:
-    """Per parameter name, its saved state keys and their storage metadata."""
-    result: dict[str, dict[str, Any]] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(prefix + "."):
-            name, state_key = key[len(prefix) + 1 :].rsplit(".", 1)
-            result.setdefault(name, {})[state_key] = md
-    return result
-
-
 class _OptimizerLoad:
     """The DCP targets for one optimizer's state, and how they become its state afterwards."""
 
@@ -288,7 +279,7 @@ class _OptimizerLoad:
         self._scalars: list[tuple[Tensor, str, str]] = []  # (holder, param name, state key)
         rank = rank_of(group)
         per_element = set(saved["per_element"])
-        by_name = _saved_state_keys(metadata, optimizer_key(index))
+        by_name = saved_state_keys(metadata, optimizer_key(index))
         for piece in optimizer.param_pieces():
             holder_state = self.state.setdefault(id(piece.holder), (piece.holder, {}))[1]
             entry: dict[str, Any] = {}
