@@ -35,27 +35,11 @@ def load_full_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def _torch_load(path: Path) -> Any:
+    # Only zip-format files can be memory-mapped (not legacy pickles, nor a zip cut short).
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except RuntimeError as error:
-        if "mmap" in str(error) and zipfile.is_zipfile(path) is False and _is_legacy_pickle(path):
-            return _torch_load_unmapped(path)
+        return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=False)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, zipfile.BadZipFile, OSError) as error:
         raise _unreadable(path, error) from error
-    except (pickle.UnpicklingError, EOFError, ValueError, zipfile.BadZipFile, OSError) as error:
-        raise _unreadable(path, error) from error
-
-
-def _torch_load_unmapped(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as error:
-        raise _unreadable(path, error) from error
-
-
-def _is_legacy_pickle(path: Path) -> bool:
-    """Files saved with _use_new_zipfile_serialization=False cannot be memory-mapped."""
-    with open(path, "rb") as file:
-        return file.read(2) == b"\x80\x02"
 
 
 def _unreadable(path: Path, error: BaseException) -> CheckpointError:
