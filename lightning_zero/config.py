@@ -57,6 +57,10 @@ class ZeroConfig:
             steps there in one fused pass.
         offload_params: stage 3: keep the parameter shards in CPU memory too; each moves to the
             device for its gather.
+        check_gather_order: stage 3: before each all-gather the ranks exchange which unit it is for
+            (16 bytes, over gloo), so ranks that run different units (a rank-dependent branch) get an
+            error naming them instead of a hang or an abort inside the collective. ``False`` saves
+            that round trip per gather once the model's control flow is known to agree across ranks.
     """
 
     stage: int = 2
@@ -71,6 +75,7 @@ class ZeroConfig:
     prefetch_bytes: int | None = None
     offload_optimizer: CPUOffloadPolicy | None = None
     offload_params: CPUOffloadPolicy | None = None
+    check_gather_order: bool = True
 
     def __post_init__(self) -> None:
         _check_type("stage", self.stage, int)
@@ -82,6 +87,7 @@ class ZeroConfig:
         _check_positive("reduce_bucket_size", self.reduce_bucket_size)
         _check_type("reduce_every_micro_step", self.reduce_every_micro_step, bool)
         _check_type("allow_unknown_optimizer", self.allow_unknown_optimizer, bool)
+        _check_type("check_gather_order", self.check_gather_order, bool)
         object.__setattr__(self, "unit_modules", tuple(self.unit_modules))  # YAML gives a list
         if not all(isinstance(name, str) and name for name in self.unit_modules):
             raise ValueError(f"ZeroConfig.unit_modules={self.unit_modules!r} must be module class names, e.g. ('Block',).")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -66,10 +66,17 @@ from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
+from lightning_zero.zero.consistency import agree_on_batches, check_same_model
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, ZeroOptimizer, no_sync
 from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
 
 log = logging.getLogger(__name__)
+
+# The callbacks that copy the module at setup to average its weights (WeightAveraging: lightning>=2.6).
+_WEIGHT_AVERAGING_CALLBACKS: tuple[type, ...] = tuple(
+    cls for cls in (getattr(pl.callbacks, name, None) for name in ("StochasticWeightAveraging", "WeightAveraging"))
+    if cls is not None
+)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 StateDictType = Literal["sharded", "full"]
@@ -197,6 +204,19 @@ class ZeroStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A dataloader whose number of batches is unknown or differs between ranks is iterated in
+        step with the other ranks, so a rank that runs out raises on every rank (see [Note: ranks
+        that disagree])."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        stage = trainer.state.stage if trainer is not None else None
+        prefix = stage.dataloader_prefix if stage is not None else None
+        name = f"{prefix}_dataloader" if prefix else "dataloader"
+        limit = getattr(trainer, f"limit_{prefix}_batches", None) if prefix else None
+        return agree_on_batches(dataloader, self.collectives, name, limit)
+
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
@@ -240,6 +260,9 @@ class ZeroStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
+        assert self.lightning_module is not None
+        # Before the first collective that depends on the model (see [Note: ranks that disagree]).
+        check_same_model(self.lightning_module, self.collectives)
         if self.config.stage == 3:
             self._setup_stage3()
         else:
@@ -281,12 +304,27 @@ class ZeroStrategy(ParallelStrategy):
             device=self.root_device,
             offload_optimizer=self.config.offload_optimizer,
             offload_params=self.config.offload_params,
+            check_gather_order=self.config.check_gather_order,
         )
         if on_meta:
             self._engine.materialize_and_shard(_reset_parameters)
         else:
             self._engine.shard()
         self._engine.install_hooks()
+        self._rebuild_weight_averages()
+
+    def _rebuild_weight_averages(self) -> None:
+        """Lightning's StochasticWeightAveraging and EMAWeightAveraging copy the module in their
+        ``setup``, before the strategy shards it (and before configure_model builds it). Their setup
+        runs again on the sharded module, so the averaged copy holds this rank's pieces and is
+        averaged piece by piece (see [Note: a stage-3 parameter outside its gather])."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, _WEIGHT_AVERAGING_CALLBACKS):
+                callback.setup(trainer, module, stage="fit")
 
     @property
     def engine(self) -> Zero3Engine | None:
@@ -295,7 +333,10 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)
+        # configure_optimizers often groups parameters by p.dim() or p.shape: at stage 3 it sees
+        # their true shapes (see [Note: a stage-3 parameter outside its gather]).
+        with self._engine.true_shapes() if self._engine is not None else nullcontext():
+            super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         _check_params_in_one_optimizer(self.optimizers)
         precision = self.precision_plugin
@@ -590,10 +631,11 @@ class ZeroStrategy(ParallelStrategy):
                 checkpoint["optimizer_states"] = []  # already in place; Lightning only checks the key
         else:
             checkpoint = load_full_checkpoint(path)
-            check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading)
+            pieces = self._model_pieces()
+            check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading, pieces=pieces)
             has_optimizer_state = "optimizer_states" in checkpoint
             if fitting and has_optimizer_state:
-                check_full_optimizer_states(path, checkpoint["optimizer_states"], self.zero_optimizers)
+                check_full_optimizer_states(path, checkpoint["optimizer_states"], self.zero_optimizers, pieces)
             self._checkpoint_applied = False
         checkpoint.setdefault("pytorch-lightning_version", pl.__version__)
         if fitting and not has_optimizer_state:

@@ -102,10 +102,20 @@ class ParamPiece:
     ranges: tuple[Range, ...]  # rank r holds ranges[r] of the flattened parameter (maybe empty)
     holder: Tensor  # the 1-d fp32 master tensor the wrapped optimizer's state is keyed by
     in_holder: Range  # where this rank's range lies inside ``holder`` and its per-element state
+    param_shape: tuple[int, ...] | None = None  # when ``param`` does not show its true shape (stage 3)
 
     @property
     def master(self) -> Tensor:
         return self.in_holder.slice(self.holder)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's true shape."""
+        return tuple(self.param.shape) if self.param_shape is None else self.param_shape
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 class ShardedOptimizer(Optimizer):

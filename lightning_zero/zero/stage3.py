@@ -5,9 +5,10 @@ Each parameter is split into N equal pieces (padded): rank r keeps piece r. A *u
 subtree, e.g. one transformer block) is the unit of communication: its rank-local shard is the
 concatenation of its parameters' pieces [S], one all-gather fills a rank-major buffer [N, S] that
 is copied out into the unit's full buffer [sum of padded numels], of which every parameter is a
-view. Freeing resizes that buffer's storage to zero: the parameters keep their shapes (so counts
-stay true) and the tensors autograd saved stay valid, because re-gathering fills the same
-storage (under ``_unsafe_preserve_version_counter``, as FSDP2 does).
+view while the unit is gathered. Freeing resizes that buffer's storage to zero: the tensors autograd
+saved stay valid, because re-gathering fills the same storage (under
+``_unsafe_preserve_version_counter``, as FSDP2 does), and the parameters are re-pointed at their
+pieces (see [Note: a stage-3 parameter outside its gather]).
 
 Gradients go the other way: each parameter's gradient is added into a rank-major buffer [N, S];
 when all of a unit's gradients of this backward have arrived, one reduce-scatter leaves this
@@ -20,6 +21,22 @@ re-gathers the unit when backward reaches it. Backward: once every parameter of 
 gradient, the unit is reduced and freed. Parameters not under any unit form the root unit, held
 for the whole step (and its backward) by the strategy. A module that uses a parameter of another
 unit (tied weights) acquires that unit around its own forward and backward as well.
+
+[Note: a stage-3 parameter outside its gather]
+While its unit is gathered a parameter has its true shape and value. Otherwise it is this rank's
+piece of it: a 1-d tensor of ``own_numel`` elements (the flattened parameter's elements
+``[rank * shard_numel, ...)``), a view of the unit's shard, on the shard's device. It never shows
+freed memory, so reading it anywhere is safe (a norm, ``deepcopy``, ``.detach().clone()``), and
+elementwise code works piece by piece on every rank: Lightning's StochasticWeightAveraging and
+EMAWeightAveraging average each rank's pieces, so the averaged copy is sharded like the model.
+``numel()`` and ``shape`` outside a gather are the piece's (Lightning's ModelSummary counts this
+rank's elements); ``gathered_params()`` gives every parameter whole.
+
+Writes are kept, in either state: an in-place write through the parameter (``copy_``, ``lerp_``,
+``mul_`` under no_grad, also on ``.detach()``) bumps its version counter, and the engine takes
+the written values into the shard and the fp32 master the next time it frees the unit, steps,
+saves or hands the module back (``absorb_writes``). Writes through ``.data`` bypass the counter
+and reach the shard only (at fp32 without offload the shard is the master, so they are kept too).
 """
 
 from __future__ import annotations
@@ -40,8 +57,18 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
+from lightning_zero.zero.consistency import RanksDisagreeError
 from lightning_zero.zero.flat_buffer import Range, _round_up
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, SyncState
+
+
+class _GatherFor(enum.Enum):
+    """Why a unit is gathered, told to the other ranks with the unit (for the error when they disagree)."""
+
+    FORWARD = 0
+    BACKWARD = 1
+    PREFETCH = 2
+    REFRESH = 3
 
 
 class UnitState(enum.Enum):
@@ -59,15 +86,29 @@ class ShardedParam:
     param: nn.Parameter
     name: str
     index: int  # among all parameters of the engine
+    shape: torch.Size  # the parameter's true shape (outside a gather it shows its 1-d piece)
     numel: int
     shard_numel: int  # elements of each rank's piece (padded)
     full_range: Range  # "full" index space: the padded parameter inside the unit's full buffer
     shard_range: Range  # "shard" index space: this rank's piece inside the unit's shard
     unit: ShardedUnit
+    # param._version when the engine last knew the parameter's contents: a larger one means user
+    # code wrote the parameter in place (see [Note: a stage-3 parameter outside its gather]).
+    seen_version: int = 0
 
     @property
     def shard(self) -> Tensor:
         return self.shard_range.slice(self.unit.shard)
+
+    @property
+    def own_numel(self) -> int:
+        """Elements of the parameter in this rank's piece (the padding is nobody's)."""
+        return max(0, min(self.shard_numel, self.numel - self.unit.rank * self.shard_numel))
+
+    @property
+    def local_view(self) -> Tensor:
+        """What the parameter shows while its unit is sharded: this rank's piece, 1-d, unpadded."""
+        return self.shard[: self.own_numel]
 
     def piece_ranges(self) -> tuple[Range, ...]:
         """Rank r's piece in the flattened parameter (the padding past ``numel`` belongs to nobody)."""
@@ -79,7 +120,8 @@ class ShardedParam:
     def piece(self, holder: Tensor) -> ParamPiece:
         """This parameter's master piece described for checkpoints; ``holder`` is its master tensor."""
         ranges = self.piece_ranges()
-        return ParamPiece(self.param, self.name, ranges, holder, Range(0, ranges[self.unit.rank].size))
+        return ParamPiece(self.param, self.name, ranges, holder, Range(0, ranges[self.unit.rank].size),
+                          param_shape=tuple(self.shape))
 
     @property
     def master(self) -> Tensor:
@@ -122,6 +164,7 @@ class ShardedUnit:
         offloaded: bool = False,
     ) -> None:
         self.name = name
+        self.number = -1  # position among the engine's units (set by the engine)
         self.device = device
         self.module = module
         self.world_size = world_size
@@ -135,7 +178,7 @@ class ShardedUnit:
             shard_numel = _round_up(param.numel(), world_size) // world_size
             self.params.append(
                 ShardedParam(
-                    param, param_name, first_index + position, param.numel(), shard_numel,
+                    param, param_name, first_index + position, param.shape, param.numel(), shard_numel,
                     Range(full_offset, full_offset + shard_numel * world_size),
                     Range(shard_offset, shard_offset + shard_numel), self,
                 )
@@ -192,8 +235,8 @@ class ShardedUnit:
                 if self.master is not self.shard:
                     sp.master.copy_(piece)
                 sp.full_range.slice(self.full).copy_(padded)
-            for sp in self.params:
-                sp.param.data = sp.full_range.slice(self.full)[: sp.numel].view_as(sp.param)
+            self._point_params_at_full()
+            self._forget_writes()
 
     @torch.no_grad()
     def gather_master_values(self, collectives: Collectives | CountingCollectives) -> dict[ShardedParam, Tensor]:
@@ -202,7 +245,7 @@ class ShardedUnit:
         collectives.all_gather(out, self.master.to(self.device)).wait()
         by_rank = out.view(self.world_size, self.shard_numel)
         return {
-            sp: by_rank[:, sp.shard_range.start : sp.shard_range.end].reshape(-1)[: sp.numel].view(sp.param.shape)
+            sp: by_rank[:, sp.shard_range.start : sp.shard_range.end].reshape(-1)[: sp.numel].view(sp.shape)
             for sp in self.params
         }
 
@@ -221,9 +264,57 @@ class ShardedUnit:
         """Gives the full buffer its storage (contents undefined): for initializing in place."""
         self._resize_full(self.full.numel())
         self.state = UnitState.GATHERED
+        self._point_params_at_full()
 
     def view_of(self, sp: ShardedParam) -> Tensor:
-        return sp.full_range.slice(self.full)[: sp.numel].view(sp.param.shape)
+        return sp.full_range.slice(self.full)[: sp.numel].view(sp.shape)
+
+    def _point_params_at_full(self) -> None:
+        for sp in self.params:
+            if not sp.param.is_meta:  # replaced by a view of the buffer instead (_replace_meta_params)
+                sp.param.data = self.view_of(sp)
+
+    def _point_params_at_shard(self) -> None:
+        for sp in self.params:
+            if not sp.param.is_meta:
+                sp.param.data = sp.local_view
+
+    def _forget_writes(self) -> None:
+        for sp in self.params:
+            sp.seen_version = sp.param._version
+
+    @torch.no_grad()
+    def absorb_writes(self) -> None:
+        """Takes values user code wrote into parameters in place into the shard and the master
+        (see [Note: a stage-3 parameter outside its gather])."""
+        for sp in self.params:
+            if sp.param._version == sp.seen_version:
+                continue
+            if self.state is UnitState.GATHERED:
+                piece = sp.full_range.slice(self.full).view(self.world_size, sp.shard_numel)[self.rank]
+                sp.shard.copy_(piece)
+                if self.master is not self.shard:
+                    sp.master.copy_(piece)
+            elif self.master is not self.shard:  # the piece itself was written: it is a view of the shard
+                sp.master.copy_(sp.shard)
+            sp.seen_version = sp.param._version
+
+    @torch.no_grad()
+    def absorb_data_writes(self) -> None:
+        """``absorb_writes`` for writes through ``.data`` too, which no version counter sees
+        (EMAWeightAveraging swaps weights that way): where the shard differs from the rounded
+        master, the shard was written and wins. A pass over the shard: for saves and teardown."""
+        self.absorb_writes()
+        if self.master is self.shard:
+            return  # the shard is the master: nothing to keep in step
+        if self.state is UnitState.GATHERED:
+            self.write_back_changed()
+            return
+        rounded = self.master.to(self.shard.device, self.param_dtype)
+        changed = self.shard != rounded
+        if bool(changed.any()):
+            written = self.shard.to(self.master.device, self.master.dtype)
+            self.master.copy_(torch.where(changed.to(self.master.device), written, self.master))
 
     # ------------------------------------------------------------------ gather / free
     def start_gather(self, collectives: Collectives | CountingCollectives) -> None:
@@ -254,12 +345,15 @@ class ShardedUnit:
         self._gather_out = None
         self._gather_handle = None
         self.state = UnitState.GATHERED
+        self._point_params_at_full()
 
     def free(self) -> None:
         if self.persistent or self.state is UnitState.SHARDED:
             return
         if self.state is UnitState.GATHERING:
             self.finish_gather()
+        self.absorb_writes()
+        self._point_params_at_shard()
         self._resize_full(0)
         self.state = UnitState.SHARDED
 
@@ -346,8 +440,10 @@ class Zero3Engine:
         device: torch.device,
         offload_optimizer: CPUOffloadPolicy | None = None,
         offload_params: CPUOffloadPolicy | None = None,
+        check_gather_order: bool = True,
     ) -> None:
         self.module = module
+        self.check_gather_order = check_gather_order
         self.offload_optimizer = offload_optimizer
         self.offload_params = offload_params
         self.collectives = collectives
@@ -443,6 +539,7 @@ class Zero3Engine:
             unit = ShardedUnit(name, unit_module, entries, index, world, rank, self.device, dtype, grad_dtype,
                                persistent=is_persistent, master_device=master_device, shard_device=shard_device,
                                pin=pin, offloaded=self.offload_optimizer is not None and master_device == CPU)
+            unit.number = len(self.units)
             self.units.append(unit)
             index += len(entries)
         for unit in self.units:
@@ -514,6 +611,16 @@ class Zero3Engine:
             if unit.module is not None and unit is not self.root_unit:
                 self._hook_handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
                 self._hook_handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        if self.root_unit is not None:
+            # The strategy holds the root unit through each *_step; these gather it for a forward
+            # anywhere else (a callback calling pl_module(x), Hugging Face generate()). Every module
+            # outside the other units gets them: its forward may read a root parameter of a child
+            # without calling the child (MultiheadAttention reads out_proj.weight).
+            root = self.root_unit
+            for prefix, submodule in self.module.named_modules():
+                if self._enclosing_unit(prefix) is root:
+                    self._hook_handles.append(submodule.register_forward_pre_hook(self._make_root_pre_forward(root)))
+                    self._hook_handles.append(submodule.register_forward_hook(self._make_root_post_forward(root)))
         # Modules that use a parameter owned by another unit (tied weights) hold that unit too.
         for prefix, submodule in self.module.named_modules():
             foreign = {self.sharded_params[p].unit for p in submodule.parameters(recurse=False)
@@ -597,6 +704,31 @@ class Zero3Engine:
 
         return post_forward
 
+    def _make_root_pre_forward(self, root: ShardedUnit) -> Callable[..., None]:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            if _in_backward():
+                self._hold_for_backward(root)
+            else:
+                self.acquire(root)  # only counts while the strategy holds it for a step
+
+        return pre_forward
+
+    def _make_root_post_forward(self, root: ShardedUnit) -> Callable[..., Any]:
+        def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+            if _in_backward():
+                return output
+            self.release(root)
+            if root.refcount == 0 and torch.is_grad_enabled():
+                # Nobody holds it for a backward of this forward: gather it again when one comes.
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads: self._pre_backward(root), mode="any"
+                    )
+            return output
+
+        return post_forward
+
     def _release_after_input_grads(self, unit: ShardedUnit, args: Any) -> None:
         """A frozen unit gets no parameter gradient to say its backward is over; the gradients of
         its inputs do (as FSDP2 releases after backward), once for every call of the unit."""
@@ -646,7 +778,7 @@ class Zero3Engine:
     def _gather(self, unit: ShardedUnit, order: list[ShardedUnit] | None) -> None:
         if order is not None and self._recording and unit not in order:
             order.append(unit)
-        unit.start_gather(self.collectives)
+        self._start_gather(unit, _GatherFor.BACKWARD if _in_backward() else _GatherFor.FORWARD)
         if order is not None:
             self._prefetch_after(unit, order)
         unit.finish_gather()
@@ -664,8 +796,30 @@ class Zero3Engine:
                 budget -= candidate.full_bytes
             elif ahead >= self.prefetch_units:
                 break
-            candidate.start_gather(self.collectives)
+            self._start_gather(candidate, _GatherFor.PREFETCH)
             ahead += 1
+
+    def _start_gather(self, unit: ShardedUnit, purpose: _GatherFor) -> None:
+        """Launches a unit's all-gather, after checking that every rank gathers the same unit
+        (see [Note: ranks that disagree] in consistency.py)."""
+        if unit.state is not UnitState.SHARDED:
+            return
+        if self.check_gather_order and self.collectives.world_size > 1:
+            every = self.collectives.agree([unit.number, purpose.value])
+            if any(row[0] != unit.number for row in every):
+                described = ", ".join(
+                    f"rank {rank} gathers '{self.units[number].name}' ({_GatherFor(code).name.lower()})"
+                    for rank, (number, code) in enumerate(every)
+                )
+                raise RanksDisagreeError(
+                    f"ZeRO-3 ranks disagree on which unit to gather next: {described}. Each gather is a collective"
+                    " every rank must join, so every rank must run the same units in the same order. Code that"
+                    " differs between ranks (a rank-dependent branch, a data-dependent number of layers, a forward"
+                    " called on some ranks only) must run the same units everywhere: keep such layers inside a"
+                    " unit every rank runs (e.g. leave them out of unit_modules so they join their parent's unit),"
+                    " or make the decision the same on every rank."
+                )
+        unit.start_gather(self.collectives)
 
     def _track_memory(self) -> None:
         live = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
@@ -778,24 +932,25 @@ class Zero3Engine:
             unit.finish_gather()  # a prefetch still in flight carries the old values: redo it
             if unit.state is UnitState.GATHERED:
                 unit.state = UnitState.SHARDED  # the storage stays; only its contents are refreshed
-                unit.start_gather(self.collectives)
+                self._start_gather(unit, _GatherFor.REFRESH)
                 unit.finish_gather()
 
     @torch.no_grad()
     def gather_to_cpu(self, from_master: bool) -> None:
         """Gives every parameter its own whole CPU tensor, unit by unit (used at teardown); with
         ``from_master``, the fp32 master values (a bf16/fp16-mixed model goes back to fp32)."""
+        self.absorb_writes(through_data=True)
         for unit in self.units:
             if from_master and unit.master is not unit.shard:
-                for sp, value in unit.gather_master_values(self.collectives).items():
-                    sp.param.data = value.to("cpu", copy=True)
+                values = {sp: value.to("cpu", copy=True) for sp, value in unit.gather_master_values(self.collectives).items()}
             else:
                 self.acquire(unit)
-                for sp in unit.params:
-                    sp.param.data = sp.param.detach().to("cpu", copy=True)
+                values = {sp: sp.param.detach().to("cpu", copy=True) for sp in unit.params}
             unit.refcount = 0
             unit.persistent = False
             unit.free()
+            for sp, value in values.items():
+                sp.param.data = value
 
     # ------------------------------------------------------------------ whole parameters on demand
     @contextlib.contextmanager
@@ -806,14 +961,40 @@ class Zero3Engine:
         try:
             yield
         finally:
-            if writeback:
-                for unit in self.units:
+            for unit in self.units:
+                if writeback:
                     unit.write_back_changed()
+                unit._forget_writes()  # written back above, or to be dropped
             for unit in self.units:
                 self.release(unit)
 
+    @contextlib.contextmanager
+    def true_shapes(self) -> Iterator[None]:
+        """Parameters of sharded units show their true shape, dtype and device, with zeros for
+        values and no memory behind them (a stride-0 view), e.g. while configure_optimizers groups
+        parameters by ``p.dim()`` or a fused optimizer checks their devices; writes raise."""
+        sharded = [unit for unit in self.units if unit.state is not UnitState.GATHERED]
+        for unit in sharded:
+            zero = torch.zeros((), dtype=unit.param_dtype, device=unit.device)
+            for sp in unit.params:
+                if not sp.param.is_meta:
+                    sp.param.data = zero.expand(sp.shape)
+        try:
+            yield
+        finally:
+            for unit in sharded:
+                unit._point_params_at_shard()
+
+    def absorb_writes(self, through_data: bool = False) -> None:
+        """Takes in-place writes to parameters into the shards and masters, in every unit (see
+        [Note: a stage-3 parameter outside its gather]); cheap when nothing was written. With
+        ``through_data``, also writes through ``.data`` (a comparison of every shard)."""
+        for unit in self.units:
+            unit.absorb_data_writes() if through_data else unit.absorb_writes()
+
     def param_pieces(self) -> list[ParamPiece]:
         """Every parameter's fp32 master piece on this rank (frozen ones included)."""
+        self.absorb_writes(through_data=True)  # a checkpoint reads the masters
         return [sp.piece(sp.master) for unit in self.units for sp in unit.params]
 
     @torch.no_grad()
@@ -831,6 +1012,7 @@ class Zero3Engine:
         A collective: units are gathered one at a time, so no rank holds the whole model on the device.
         """
         keep = self.collectives.rank == to
+        self.absorb_writes(through_data=True)
         names = {sp.param: sp.name for sp in self.sharded_params.values()}
         result: dict[str, Tensor] = {}
         for unit in self.units:
@@ -873,9 +1055,9 @@ class Zero3Engine:
                 if key is None or key not in state:
                     continue
                 value = state[key]
-                if tuple(value.shape) != tuple(sp.param.shape):
+                if tuple(value.shape) != tuple(sp.shape):
                     raise ValueError(f"'{key}' has shape {tuple(value.shape)} in the state dict but"
-                                     f" {tuple(sp.param.shape)} in the model.")
+                                     f" {tuple(sp.shape)} in the model.")
                 padded = torch.zeros(sp.full_range.size, dtype=torch.float32, device=unit.shard.device)
                 padded[: sp.numel].copy_(value.reshape(-1))
                 piece = padded[unit.rank * sp.shard_numel : (unit.rank + 1) * sp.shard_numel]
@@ -1031,6 +1213,9 @@ class Zero3Optimizer(ShardedOptimizer):
             self.engine.sync_enabled = previous
 
     def finish_grad_sync(self) -> None:
+        # Called before every step (and clipping): values user code wrote into parameters reach
+        # the masters before the optimizer reads them.
+        self.engine.absorb_writes()
         if self._sync_state is SyncState.SYNCED:
             return
         with torch.profiler.record_function("zero3::finish_grad_sync"):
@@ -1079,7 +1264,7 @@ class Zero3Optimizer(ShardedOptimizer):
                     full = torch.empty(sp.shard_numel * self.collectives.world_size, dtype=value.dtype,
                                        device=self.comm_device)
                     self.collectives.all_gather(full, value.to(self.comm_device).contiguous()).wait()
-                    value = full[: sp.numel].view(sp.param.shape).cpu()
+                    value = full[: sp.numel].view(sp.shape).cpu()
                 elif isinstance(value, Tensor):
                     value = value.clone()
                 entry[key] = value
@@ -1099,10 +1284,10 @@ class Zero3Optimizer(ShardedOptimizer):
             entry: dict[str, Any] = {}
             for key, value in saved.items():
                 if isinstance(value, Tensor) and value.dim() > 0:
-                    if tuple(value.shape) != tuple(sp.param.shape):
+                    if tuple(value.shape) != tuple(sp.shape):
                         raise ValueError(
                             f"Optimizer state '{key}' of parameter '{sp.name}' has shape {tuple(value.shape)}, but the"
-                            f" parameter has shape {tuple(sp.param.shape)}: the state comes from a different model."
+                            f" parameter has shape {tuple(sp.shape)}: the state comes from a different model."
                         )
                     padded = torch.zeros(sp.full_range.size, dtype=value.dtype, device=master.device)
                     padded[: sp.numel].copy_(value.reshape(-1))
