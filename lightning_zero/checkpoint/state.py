@@ -146,7 +146,8 @@ def sharded_state(
     """The DCP state dict of one rank: its model and optimizer entries; rank 0 adds the meta."""
     state: dict[str, Any] = {MODEL_KEY: model}
     for index, (entries, _) in enumerate(optimizers):
-        state[optimizer_key(index)] = entries
+        if entries:  # before the first step an optimizer has no state; DCP would record no key for {}
+            state[optimizer_key(index)] = entries
     if rank_of(group) == 0:
         module_state = module.state_dict(keep_vars=True)
         meta = CheckpointMeta(
@@ -368,7 +369,8 @@ def load_into(
     if optimizers is not None and meta.optimizers:
         for index, (optimizer, saved) in enumerate(zip(optimizers, meta.optimizers)):
             load = _OptimizerLoad(optimizer, saved, metadata, index, group)
-            state[optimizer_key(index)] = load.targets
+            if load.targets:  # saved before its first step: no state to read, only hyperparameters
+                state[optimizer_key(index)] = load.targets
             loads.append(load)
     with torch.no_grad():
         load_sharded(path, state, group)

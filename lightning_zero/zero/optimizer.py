@@ -309,6 +309,10 @@ class ShardedOptimizer(Optimizer):
         with torch.profiler.record_function("zero::cpu_adam_step"):
             for group, master in fused:
                 self._cpu_adam_step(group, master, coefficient)
+        # The fused pass is the user's optimizer stepping, without its step() when every shard is
+        # fused; an LR scheduler learns of a step only through the flag its wrapper of step() sets,
+        # and would otherwise warn that it was stepped first.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _fused_cpu_masters(self) -> list[tuple[dict[str, Any], Tensor]]:
         """(param group, master) pairs the C++ CPU Adam steps: offloaded shards of Adam/AdamW."""
