@@ -373,14 +373,14 @@ def load_into(
                 state[optimizer_key(index)] = load.targets
             loads.append(load)
     with torch.no_grad():
-        load_sharded(path, state, group)
+        load_sharded(path, metadata, state, group)  # verifies every record it reads first
         if second_reads:
-            load_sharded(path, {MODEL_KEY: second_reads}, group)
+            load_sharded(path, metadata, {MODEL_KEY: second_reads}, group, verified=True)
     for load in loads:
         load.finish()
     for key, source in extra_state:
         owner = module.get_submodule(key[: -len("._extra_state")]) if key.endswith("._extra_state") else module
-        owner.set_extra_state(from_object_entry(model_targets[source]))
+        owner.set_extra_state(from_object_entry(model_targets[source], path, f"{MODEL_KEY}.{source}"))
     return meta
 
 
