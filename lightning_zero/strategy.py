@@ -676,6 +676,9 @@ class ZeroStrategy(ParallelStrategy):
                 self._engine.remove_hooks()
                 self._engine = None
             restore_fp32 = False
+            if self.lightning_module is not None and _has_meta_tensors(self.lightning_module):
+                self._teardown_without_moving_the_module()
+                return
         if self._engine is not None:
             # Lightning hands the module back on the CPU; stage 3 gathers it unit by unit. After
             # -mixed training it is handed back in fp32, from the masters, as Lightning's AMP does.
@@ -690,6 +693,18 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
+
+    def _teardown_without_moving_the_module(self) -> None:
+        """Lightning's teardown but for moving the module to the CPU: a setup that failed before a
+        module built in ``configure_model`` was materialized leaves tensors on the meta device,
+        which have no data to move, and "Cannot copy out of meta tensor" would then be the last
+        error the user sees instead of the one that stopped the setup (as in Lightning's FSDP
+        strategy, which does not move the module either)."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     def _interrupted(self) -> bool:
         module = self.lightning_module
@@ -753,6 +768,10 @@ def _check_params_in_one_optimizer(optimizers: list[Optimizer]) -> None:
                         f" optimizer {index}. ZeRO shards each parameter under one optimizer; give every"
                         " optimizer a disjoint set of parameters."
                     )
+
+
+def _has_meta_tensors(module: Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 def _materialize_meta_buffers(module: Module, device: torch.device) -> None:
