@@ -43,6 +43,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.checksums import CheckpointError
 from lightning_zero.checkpoint.full import load_full_checkpoint
 from lightning_zero.checkpoint.sharded import (
     META_KEY,
@@ -135,6 +136,9 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
         self._engine: Zero3Engine | None = None
         self._root_held = False
+        # The run stopped on an error every rank raised together (a checkpoint that could not be
+        # loaded), so teardown's collectives are safe: stage 3 hands the module back whole.
+        self._failed_on_every_rank = False
 
     # ------------------------------------------------------------------ precision
     @property
@@ -237,6 +241,7 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._failed_on_every_rank = False
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -581,7 +586,11 @@ class ZeroStrategy(ParallelStrategy):
         path = resolve_checkpoint_path(checkpoint_path)
         if is_sharded_checkpoint(path) or path.is_dir():
             optimizers = self.zero_optimizers if fitting else None
-            meta = load_into(path, module, self._model_pieces(), optimizers, group=None, strict=module.strict_loading)
+            try:
+                meta = load_into(path, module, self._model_pieces(), optimizers, group=None, strict=module.strict_loading)
+            except CheckpointError:
+                self._failed_on_every_rank = True  # load_into's ranks agree on its errors
+                raise
             publish_masters(self._engine, self.zero_optimizers)
             self._checkpoint_applied = True
             checkpoint = dict(meta.lightning)
@@ -670,7 +679,7 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step()
         precision = self.precision_plugin
         restore_fp32 = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
-        if self._interrupted():
+        if self._interrupted() and not self._failed_on_every_rank:
             # After an error (perhaps on one rank only) no collective may run: it could hang.
             if self._engine is not None:
                 self._engine.remove_hooks()

@@ -18,8 +18,9 @@ here could: the checkpoint's pickled entries are unpickled, so it must come from
 
 On load, every record that will be read is verified *before* DCP copies anything, so a
 mismatch loads nothing: the ranks split the records between them by bytes (the checkpoint is
-read once in all, however many ranks), agree on the outcome with one ``all_gather_object``, and
-each raises the same :class:`CheckpointError`. Memory stays bounded: records are hashed in
+read once in all, however many ranks), agree on the outcome with one ``all_gather_object`` (with the checks of the model and the
+optimizers that come before it: see :func:`agree`), and each raises the same
+:class:`CheckpointError`. Memory stays bounded: records are hashed in
 chunks of ``_CHUNK_BYTES``. Checkpoints written before checksums existed have no table; they
 load as before, after a one-time note.
 """
@@ -42,7 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -163,10 +164,7 @@ def verify(path: Path, metadata: Metadata, wanted: Callable[[str], bool], share:
     checksum table; the error message of the first mismatch, or None. No collective."""
     table = checksum_table(metadata)
     if table is None:
-        if share[0] == 0 and str(path) not in _noted:
-            _noted.add(str(path))
-            log.warning(f"{path} was written by an older lightning_zero and has no checksums: its data is loaded"
-                        " unverified. Save it again to add them.")
+        _note_unverified(path)
         return None
     mine = _my_share(records(metadata, wanted), *share)
     by_file: dict[str, list[Record]] = {}
@@ -188,6 +186,15 @@ def verify(path: Path, metadata: Metadata, wanted: Callable[[str], bool], share:
     return None
 
 
+def _note_unverified(path: Path) -> None:
+    """Once per checkpoint and process, from the first rank only (every rank reads the table)."""
+    first_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if first_rank and str(path) not in _noted:
+        _noted.add(str(path))
+        log.warning(f"{path} was written by an older lightning_zero and has no checksums: its data is loaded"
+                    " unverified. Resume from it and save again to add them.")
+
+
 def _my_share(all_records: list[Record], rank: int, world: int) -> list[Record]:
     """Greedy by bytes, largest first, so the ranks read about equal amounts (deterministic: every
     rank computes the same split from the same metadata)."""
@@ -203,20 +210,24 @@ def _my_share(all_records: list[Record], rank: int, world: int) -> list[Record]:
     return sorted(mine, key=lambda r: (r.file, r.offset))
 
 
-def verify_everywhere(path: Path, metadata: Metadata, wanted: Callable[[str], bool],
-                      group: dist.ProcessGroup | None) -> None:
-    """Collective :func:`verify` when a process group is initialized: each rank checks its share and
-    every rank raises the same CheckpointError if any share failed (before anything is read)."""
+def verify_share(path: Path, metadata: Metadata, wanted: Callable[[str], bool], group: dist.ProcessGroup | None) -> str | None:
+    """:func:`verify` of this rank's share of the records (all of them without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
-        message = verify(path, metadata, wanted)
-    else:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        try:
-            mine: str | None = verify(path, metadata, wanted, (rank, world))
-        except OSError as error:  # a rank must still join the exchange, or the others hang in it
-            mine = f"The checkpoint {path} cannot be read on rank {rank}: {error}. Nothing was loaded."
-        messages: list[str | None] = [None] * world
-        dist.all_gather_object(messages, mine, group=group)
+        return verify(path, metadata, wanted)
+    rank = dist.get_rank(group)
+    try:
+        return verify(path, metadata, wanted, (rank, dist.get_world_size(group)))
+    except OSError as error:  # this rank must still join the agreement, or the others wait in it forever
+        return f"The checkpoint {path} cannot be read on rank {rank}: {error}. Nothing was loaded."
+
+
+def agree(message: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raises CheckpointError(message) on every rank if any rank has one (the lowest rank's), so
+    that the ranks fail together or go on together; a collective when a process group is
+    initialized. A rank that raised alone would leave the others waiting in the next collective."""
+    if dist.is_available() and dist.is_initialized():
+        messages: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, message, group=group)
         message = next((m for m in messages if m is not None), None)
     if message is not None:
         raise CheckpointError(message)
@@ -241,20 +252,22 @@ class NamingReader(dcp.FileSystemReader):
         directory = Path(self.path)
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            with open(directory / info.relative_path, "rb") as handle:
-                handle.seek(info.offset)
-                data = handle.read(info.length)
             record = _record_of(self._metadata, item.storage_index, info)
             try:
-                if item.type.name != "BYTE_IO":
+                with open(directory / info.relative_path, "rb") as handle:
+                    handle.seek(info.offset)
+                    data = handle.read(info.length)
+                if item.type != LoadItemType.BYTE_IO:  # pickled objects are unpickled later, by from_object_entry
                     torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except _RECORD_ERRORS as found:
                 return damaged_record(directory, record, found)
         return CheckpointError(f"The checkpoint {directory} cannot be read: {reason(error)}. Load an earlier checkpoint.")
 
 
+# What torch.load raises on bytes that are not what torch.save wrote (OSError: a zip directory
+# pointing before the record's start makes it seek to a negative offset).
 _RECORD_ERRORS = (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, zipfile.BadZipFile, KeyError,
-                  AttributeError, ImportError, IndexError, TypeError)
+                  AttributeError, ImportError, IndexError, TypeError, OSError)
 
 
 def damaged_record(directory: Path, record: Record, error: BaseException) -> CheckpointError:

@@ -61,11 +61,12 @@ from lightning_zero.checkpoint.checksums import (
     ChecksummingWriter,
     CheckpointError,
     NamingReader,
+    agree,
     named_errors,
     reason,
     under,
     verify,
-    verify_everywhere,
+    verify_share,
 )
 from lightning_zero.zero.flat_buffer import Range
 
@@ -407,7 +408,7 @@ def load_sharded(path: Path, metadata: Metadata, state: dict[str, Any], group: d
     unless ``verified`` (so a damaged checkpoint loads nothing). A collective when a process group
     is initialized."""
     if not verified:
-        verify_everywhere(path, metadata, under(list(state)), group)
+        agree(verify_share(path, metadata, under(list(state)), group), group)
     with quiet_dcp(), named_errors():
         dcp.load(state, storage_reader=NamingReader(path), process_group=group, no_dist=not is_distributed())
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from lightning_zero.checkpoint.checksums import agree, under, verify_share
 from lightning_zero.checkpoint.sharded import (
     META_KEY,
     MODEL_KEY,
@@ -327,15 +328,25 @@ def load_into(
     strict: bool = True,
 ) -> CheckpointMeta:
     """Loads a sharded checkpoint into the module (and, unless ``optimizers`` is None, their
-    states), whatever world size and stage wrote it. Checks everything before reading any tensor,
-    so a checkpoint that does not fit changes nothing. A collective. The caller publishes the
-    loaded masters to the parameters afterwards."""
-    metadata = read_metadata(path)
-    meta = read_meta(path, metadata)
-    check_model_fits(path, metadata, meta, module, strict)
-    names = param_names(module)
-    if optimizers is not None and meta.optimizers:
-        check_optimizers_fit(path, meta, optimizers, names)
+    states), whatever world size and stage wrote it. Checks everything, checksums included, before
+    reading any tensor, so a checkpoint that does not fit or is damaged changes nothing; the ranks
+    agree first, so every rank raises the same CheckpointError. A collective. The caller publishes
+    the loaded masters to the parameters afterwards."""
+    failure: str | None = None
+    try:
+        metadata = read_metadata(path)
+        meta = read_meta(path, metadata)
+        check_model_fits(path, metadata, meta, module, strict)
+        names = param_names(module)
+        loaded = [MODEL_KEY]
+        if optimizers is not None and meta.optimizers:
+            check_optimizers_fit(path, meta, optimizers, names)
+            loaded += [optimizer_key(index) for index in range(len(meta.optimizers))]
+    except CheckpointError as error:
+        failure = str(error)
+    if failure is None:
+        failure = verify_share(path, metadata, under(loaded), group)
+    agree(failure, group)
     rank = rank_of(group)
     saved_model = {k[len(MODEL_KEY) + 1 :] for k in metadata.state_dict_metadata if k.startswith(MODEL_KEY + ".")}
     by_param = {piece.param: piece for piece in model_pieces}
@@ -373,7 +384,7 @@ def load_into(
                 state[optimizer_key(index)] = load.targets
             loads.append(load)
     with torch.no_grad():
-        load_sharded(path, metadata, state, group)  # verifies every record it reads first
+        load_sharded(path, metadata, state, group, verified=True)
         if second_reads:
             load_sharded(path, metadata, {MODEL_KEY: second_reads}, group, verified=True)
     for load in loads:
