@@ -15,6 +15,9 @@ the same run, each against its baseline:
   the full file and slicing its shards out (``load_state_dict``).
 - export to one file: ``lightning_zero.consolidate`` (streamed) against torch's
   ``dcp_to_torch_save`` (loads the whole checkpoint, then saves it), in a fresh process each.
+- checksums: the sharded save and load with and without the CRC-32 of every record (see
+  [Note: checkpoint checksums]), alternated ``--repeats`` times, the fastest of each kept; the
+  difference is the checksums' cost, per GB of checkpoint saved or loaded.
 
 This is a measurement, not a test: nothing here asserts.
 """
@@ -102,6 +105,16 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, directory:
         "load_full": _measure(load_full),
         "load_sharded": _measure(lambda: load_checkpoint(sharded, model, [optimizer])),
     }
+    # Checksums: with and without, alternated so that both see the same page cache and disk. The
+    # last save of each round has checksums, so both loads read the same checkpoint; the plain
+    # load only skips verifying it.
+    timings: dict[str, list[float]] = {name: [] for name in ("save_plain", "save_crc", "load_plain", "load_crc")}
+    for _ in range(args.repeats):
+        timings["save_plain"].append(_measure(lambda: save_checkpoint(sharded, model, [optimizer], checksums=False))[0])
+        timings["save_crc"].append(_measure(lambda: save_checkpoint(sharded, model, [optimizer]))[0])
+        timings["load_plain"].append(_measure(lambda: load_checkpoint(sharded, model, [optimizer], verify=False))[0])
+        timings["load_crc"].append(_measure(lambda: load_checkpoint(sharded, model, [optimizer]))[0])
+    results.update({name: (min(values), 0) for name, values in timings.items()})
     queue.put((rank, results))
     dist.destroy_process_group()
 
@@ -135,6 +148,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each checksum measurement (fastest kept)")
     args = parser.parse_args()
     params = args.layers * args.width * args.width
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as directory:
@@ -173,6 +187,14 @@ def main() -> None:
           f" {ours['growth'] / MIB:.0f} | {torchs['growth'] / MIB:.0f} | {ours['growth'] / max(torchs['growth'], 1):.3f} |")
     print("baselines: save = consolidate onto rank 0 + torch.save; load = torch.load of the full file on every rank;"
           " export = torch's dcp_to_torch_save")
+    gigabytes = sizes["sharded.ckpt"] / 1e9
+    print()
+    print(f"checksums (CRC-32 of every record), fastest of {args.repeats}, slowest rank, {gigabytes:.2f} GB checkpoint:")
+    print("| operation | with checksums s | without s | ratio | extra s per GB |")
+    print("|---|---|---|---|---|")
+    for kind in ("save", "load"):
+        crc, plain = slowest(f"{kind}_crc"), slowest(f"{kind}_plain")
+        print(f"| {kind} | {crc:.2f} | {plain:.2f} | {crc / plain:.2f} | {(crc - plain) / gigabytes:.2f} |")
 
 
 if __name__ == "__main__":

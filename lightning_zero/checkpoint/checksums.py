@@ -95,11 +95,14 @@ def under(keys: Sequence[str]) -> Callable[[str], bool]:
     return lambda key: key in exact or key.startswith(prefixes)
 
 
-def checksum_table(metadata: Metadata) -> dict[str, dict[int, int]] | None:
+def checksum_table(path: Path, metadata: Metadata) -> dict[str, dict[int, int]] | None:
     """{file: {offset: crc32}}, or None for a checkpoint written before checksums."""
     table = getattr(metadata, CHECKSUMS_ATTRIBUTE, None)
     if table is None:
         return None
+    if table.get("algorithm") != ALGORITHM:
+        raise CheckpointError(f"{path} records checksums of kind {table.get('algorithm')!r}, which this lightning_zero"
+                              f" does not know (it knows {ALGORITHM!r}): upgrade lightning-zero.")
     return table["records"]
 
 
@@ -162,7 +165,7 @@ _noted: set[str] = set()
 def verify(path: Path, metadata: Metadata, wanted: Callable[[str], bool], share: tuple[int, int] = (0, 1)) -> str | None:
     """Checks this process's share ``(rank, world)`` of the records ``wanted`` accepts against the
     checksum table; the error message of the first mismatch, or None. No collective."""
-    table = checksum_table(metadata)
+    table = checksum_table(path, metadata)
     if table is None:
         _note_unverified(path)
         return None
@@ -217,7 +220,9 @@ def verify_share(path: Path, metadata: Metadata, wanted: Callable[[str], bool], 
     rank = dist.get_rank(group)
     try:
         return verify(path, metadata, wanted, (rank, dist.get_world_size(group)))
-    except OSError as error:  # this rank must still join the agreement, or the others wait in it forever
+    except CheckpointError as error:  # this rank must still join the agreement, or the others wait in it forever
+        return str(error)
+    except OSError as error:
         return f"The checkpoint {path} cannot be read on rank {rank}: {error}. Nothing was loaded."
 
 
