@@ -112,7 +112,7 @@ class ChecksummingWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         written = super().write_data(plan, planner).wait()  # FileSystemWriter writes before returning
-        crcs = _crcs_of(Path(self.path), [(r.storage_data.relative_path, r.storage_data.offset,
+        crcs = record_crcs(Path(self.path), [(r.storage_data.relative_path, r.storage_data.offset,
                                            r.storage_data.length) for r in written])
         # The coordinator gathers these results for finish(): the checksum rides along with each.
         results = [WriteResult(r.index, r.size_in_bytes, (r.storage_data, crc)) for r, crc in zip(written, crcs)]
@@ -132,7 +132,7 @@ class ChecksummingWriter(dcp.FileSystemWriter):
         super().finish(metadata, plain)
 
 
-def _crcs_of(directory: Path, spans: Sequence[tuple[str, int, int]]) -> list[int]:
+def record_crcs(directory: Path, spans: Sequence[tuple[str, int, int]]) -> list[int]:
     """CRC-32 of each (file, offset, length), each file opened once."""
     result: dict[tuple[str, int], int] = {}
     by_file: dict[str, list[tuple[int, int]]] = {}
