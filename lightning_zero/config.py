@@ -80,7 +80,8 @@ class ZeroConfig:
                 f"ZeroConfig.stage={self.stage!r} is not supported: use 1 (optimizer state sharded), 2"
                 " (optimizer state and gradients sharded) or 3 (parameters sharded too)."
             )
-        _check_positive("reduce_bucket_size", self.reduce_bucket_size, "25_000_000 (about 100 MB of fp32 gradients per bucket)")
+        _check_positive("reduce_bucket_size", self.reduce_bucket_size,
+                        "25_000_000 (about 100 MB of fp32 gradients per bucket)")
         _check_type("reduce_every_micro_step", self.reduce_every_micro_step, bool)
         _check_type("allow_unknown_optimizer", self.allow_unknown_optimizer, bool)
         # YAML gives a list; one class name given as a string is that name, not its letters.
@@ -88,7 +89,8 @@ class ZeroConfig:
         if not isinstance(names, (tuple, list)) or not all(isinstance(name, str) and name for name in names):
             raise ValueError(f"ZeroConfig.unit_modules={self.unit_modules!r} must be module class names, e.g. ('Block',).")
         object.__setattr__(self, "unit_modules", tuple(names))
-        _check_positive("min_unit_numel", self.min_unit_numel, "1_000_000 (modules of fewer parameter elements join their parent's unit)")
+        _check_positive("min_unit_numel", self.min_unit_numel,
+                        "1_000_000 (modules of fewer parameter elements join their parent's unit)")
         _check_type("param_persistence_threshold", self.param_persistence_threshold, int)
         if self.param_persistence_threshold < 0:
             raise ValueError(

@@ -188,6 +188,19 @@ def _resume(strategy: ZeroStrategy, path: Path) -> dict[str, Any]:
     return {"type": None, "params": params_of(module)}
 
 
+def _predict(path: Path) -> dict[str, Any]:
+    """predict(ckpt_path=...): the weights-only load (no optimizer entries read)."""
+    module = TinyGPT()
+    try:
+        with launched_environment():
+            pl.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(config=ZeroConfig(stage=2)), logger=False,
+                       enable_progress_bar=False, enable_model_summary=False).predict(
+                module, loader(samples=8), ckpt_path=str(path))
+    except Exception as error:  # noqa: BLE001 - the test reads the type and the message
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None}
+
+
 def _trainer_cases(directory: str) -> dict[str, Any]:
     base = Path(directory)
     pl.seed_everything(0)
@@ -212,6 +225,7 @@ def _trainer_cases(directory: str) -> dict[str, Any]:
         "old": _resume(ZeroStrategy(config=ZeroConfig(stage=2)), base / "old.ckpt"),
         "old_damaged": _resume(ZeroStrategy(config=ZeroConfig(stage=2)), base / "old_damaged.ckpt"),
     }
+    out["predict_damaged"] = _predict(base / "damaged.ckpt")
     out["notes"] = [m for m in notes.messages if NOTE in m]
     out["damaged_record"] = record(base / "damaged.ckpt", "model.embed.weight", "__1_0.distcp")
     return out
@@ -235,8 +249,15 @@ def test_a_damaged_shard_stops_every_rank_with_the_same_error_and_loads_nothing(
         assert result["unchanged"]
         messages.add(result["message"])
     (message,) = messages  # the same on both ranks, although only rank 1's file is damaged
-    assert f"damaged.ckpt is damaged: entry 'model.embed.weight', bytes {info.offset}..{info.offset + info.length} of __1_0.distcp does not hold what was saved" in message
+    assert (f"damaged.ckpt is damaged: entry 'model.embed.weight', bytes {info.offset}..{info.offset + info.length}"
+            " of __1_0.distcp does not hold what was saved") in message
     assert message.endswith("Nothing was loaded.")
+
+
+def test_a_damaged_shard_stops_predict_too(trainer_results: list[dict[str, Any]]) -> None:
+    for rank in trainer_results:
+        assert rank["predict_damaged"]["type"] == "CheckpointError"
+        assert rank["predict_damaged"]["message"] == rank["damaged_zero2"]["message"]
 
 
 def test_an_old_checkpoint_resumes_like_a_new_one_after_one_note(trainer_results: list[dict[str, Any]]) -> None:

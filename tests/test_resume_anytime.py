@@ -202,13 +202,14 @@ class LBFGSGPT(TinyGPT):
 def _setup_errors() -> dict[str, list[str]]:
     """Each failing setup: the chain of exceptions fit() raised (the error, then its contexts)."""
     out = {}
-    for name, module, config in (
-        ("llama_meta_buffer", MetaLlama(), {}),
-        ("unknown_unit_class", MetaGPT(), {"unit_modules": "NoSuchBlock"}),
-        ("refused_optimizer", LBFGSGPT(), {}),
+    for name, module, stage, config in (
+        ("llama_meta_buffer", MetaLlama(), 3, {}),
+        ("unknown_unit_class", MetaGPT(), 3, {"unit_modules": "NoSuchBlock"}),
+        ("refused_optimizer", LBFGSGPT(), 3, {}),
+        ("refused_optimizer_zero2", LBFGSGPT(), 2, {}),
     ):
         try:
-            fit(module, zero(3, **config), WORLD, steps=2)
+            fit(module, zero(stage, **config), WORLD, steps=2)
             out[name] = []
         except BaseException as error:  # noqa: BLE001 - the test reads the whole chain
             chain: list[str] = []
@@ -299,6 +300,7 @@ def test_prefetch_bytes_zero_prefetches_nothing(results: list[dict[str, Any]]) -
         ("unknown_unit_class", "ValueError: ZeroConfig.unit_modules names ['NoSuchBlock'], but the model has no module"
                                " of that class"),
         ("refused_optimizer", "ValueError: ZeRO cannot shard the optimizer LBFGS"),
+        ("refused_optimizer_zero2", "ValueError: ZeRO cannot shard the optimizer LBFGS"),
     ],
 )
 def test_a_setup_error_is_the_last_thing_the_user_sees(results: list[dict[str, Any]], case: str, message: str) -> None:

@@ -18,11 +18,11 @@ here could: the checkpoint's pickled entries are unpickled, so it must come from
 
 On load, every record that will be read is verified *before* DCP copies anything, so a
 mismatch loads nothing: the ranks split the records between them by bytes (the checkpoint is
-read once in all, however many ranks), agree on the outcome with one ``all_gather_object`` (with the checks of the model and the
-optimizers that come before it: see :func:`agree`), and each raises the same
-:class:`CheckpointError`. Memory stays bounded: records are hashed in
-chunks of ``_CHUNK_BYTES``. Checkpoints written before checksums existed have no table; they
-load as before, after a one-time note.
+read once in all, however many ranks), agree on the outcome with one ``all_gather_object``
+(together with the checks of the model and the optimizers that come before it: see
+:func:`agree`), and each raises the same :class:`CheckpointError`. Memory stays bounded:
+records are hashed in chunks of ``_CHUNK_BYTES``. Checkpoints written before checksums existed
+have no table; they load as before, after a one-time note.
 """
 
 from __future__ import annotations

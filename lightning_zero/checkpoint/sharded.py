@@ -10,6 +10,8 @@ rows, a partial row, recursively), each itself contiguous in memory, so it is sa
 ``ShardedTensor`` whose local shards are views of the master shard: nothing is copied to save,
 and DCP reads any other layout back by intersecting boxes. That is what makes a checkpoint
 written by 4 ranks at stage 3 load into 2 ranks at stage 2, or into 1 rank, with no conversion.
+``.metadata`` also holds a CRC-32 of every record, verified before anything is loaded (see
+[Note: checkpoint checksums] in checksums.py).
 
 Keys of the DCP state dict:
   ``model.<state-dict key>``                      weights, fp32 master values for trained params;
