@@ -43,6 +43,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.checksums import CheckpointError
 from lightning_zero.checkpoint.full import load_full_checkpoint
 from lightning_zero.checkpoint.sharded import (
     META_KEY,
@@ -142,6 +143,9 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
         self._engine: Zero3Engine | None = None
         self._root_held = False
+        # The run stopped on an error every rank raised together (a checkpoint that could not be
+        # loaded), so teardown's collectives are safe: stage 3 hands the module back whole.
+        self._failed_on_every_rank = False
 
     # ------------------------------------------------------------------ precision
     @property
@@ -257,6 +261,7 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._failed_on_every_rank = False
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -420,15 +425,17 @@ class ZeroStrategy(ParallelStrategy):
         engine = self._engine
         if engine is not None:
             engine.check_parameters_unchanged()
-        if engine is not None and engine.root_unit is not None and not self._root_held:
-            engine.acquire(engine.root_unit)
+        if engine is not None and not self._root_held:
+            for root in engine.root_units:
+                engine.acquire(root)
             self._root_held = True
 
     def _release_root(self) -> None:
         engine = self._engine
-        if engine is not None and engine.root_unit is not None and self._root_held:
+        if engine is not None and self._root_held:
             self._root_held = False
-            engine.release(engine.root_unit)
+            for root in engine.root_units:
+                engine.release(root)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -622,7 +629,11 @@ class ZeroStrategy(ParallelStrategy):
         path = resolve_checkpoint_path(checkpoint_path)
         if is_sharded_checkpoint(path) or path.is_dir():
             optimizers = self.zero_optimizers if fitting else None
-            meta = load_into(path, module, self._model_pieces(), optimizers, group=None, strict=module.strict_loading)
+            try:
+                meta = load_into(path, module, self._model_pieces(), optimizers, group=None, strict=module.strict_loading)
+            except CheckpointError:
+                self._failed_on_every_rank = True  # load_into's ranks agree on its errors
+                raise
             publish_masters(self._engine, self.zero_optimizers)
             self._checkpoint_applied = True
             checkpoint = dict(meta.lightning)
@@ -712,12 +723,15 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step()
         precision = self.precision_plugin
         restore_fp32 = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
-        if self._interrupted():
+        if self._interrupted() and not self._failed_on_every_rank:
             # After an error (perhaps on one rank only) no collective may run: it could hang.
             if self._engine is not None:
                 self._engine.remove_hooks()
                 self._engine = None
             restore_fp32 = False
+            if self.lightning_module is not None and _has_meta_tensors(self.lightning_module):
+                self._teardown_without_moving_the_module()
+                return
         if self._engine is not None:
             # Lightning hands the module back on the CPU; stage 3 gathers it unit by unit. After
             # -mixed training it is handed back in fp32, from the masters, as Lightning's AMP does.
@@ -732,6 +746,18 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
+
+    def _teardown_without_moving_the_module(self) -> None:
+        """Lightning's teardown but for moving the module to the CPU: a setup that failed before a
+        module built in ``configure_model`` was materialized leaves tensors on the meta device,
+        which have no data to move, and "Cannot copy out of meta tensor" would then be the last
+        error the user sees instead of the one that stopped the setup (as in Lightning's FSDP
+        strategy, which does not move the module either)."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     def _interrupted(self) -> bool:
         module = self.lightning_module
@@ -795,6 +821,10 @@ def _check_params_in_one_optimizer(optimizers: list[Optimizer]) -> None:
                         f" optimizer {index}. ZeRO shards each parameter under one optimizer; give every"
                         " optimizer a disjoint set of parameters."
                     )
+
+
+def _has_meta_tensors(module: Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 def _materialize_meta_buffers(module: Module, device: torch.device) -> None:

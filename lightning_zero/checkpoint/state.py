@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from lightning_zero.checkpoint.checksums import agree, under, verify_share
 from lightning_zero.checkpoint.sharded import (
     META_KEY,
     MODEL_KEY,
@@ -146,7 +147,8 @@ def sharded_state(
     """The DCP state dict of one rank: its model and optimizer entries; rank 0 adds the meta."""
     state: dict[str, Any] = {MODEL_KEY: model}
     for index, (entries, _) in enumerate(optimizers):
-        state[optimizer_key(index)] = entries
+        if entries:  # before the first step an optimizer has no state; DCP would record no key for {}
+            state[optimizer_key(index)] = entries
     if rank_of(group) == 0:
         module_state = module.state_dict(keep_vars=True)
         meta = CheckpointMeta(
@@ -169,16 +171,18 @@ def save_checkpoint(
     engine: Zero3Engine | None = None,
     extra: dict[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
+    checksums: bool = True,
 ) -> None:
     """Saves a ZeRO model (and optimizers) as a sharded checkpoint, without Lightning; ``extra``
-    is kept as the checkpoint's Lightning part (``CheckpointMeta.lightning``). A collective."""
+    is kept as the checkpoint's Lightning part (``CheckpointMeta.lightning``). ``checksums=False``
+    leaves out the records' checksums (to measure their cost). A collective."""
     pieces = model_pieces(engine, optimizers)
     names = param_names(module)
     stage = 3 if engine is not None else max([o.config.stage for o in optimizers] + [1])
     world = dist.get_world_size(group) if is_distributed() else 1
     state = sharded_state(module, model_entries(module, pieces, group),
                           [optimizer_entries(o, names, group) for o in optimizers], dict(extra or {}), world, stage, group)
-    save_sharded(path, state, group)
+    save_sharded(path, state, group, checksums=checksums)
 
 
 def load_checkpoint(
@@ -188,11 +192,13 @@ def load_checkpoint(
     engine: Zero3Engine | None = None,
     group: dist.ProcessGroup | None = None,
     strict: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Loads a sharded checkpoint (any world size and stage) into a ZeRO model and, if given, its
-    optimizers, without Lightning; returns the checkpoint's Lightning part. A collective."""
+    optimizers, without Lightning; returns the checkpoint's Lightning part. ``verify=False`` skips
+    the checksums (to measure their cost). A collective."""
     pieces = model_pieces(engine, optimizers or ())
-    meta = load_into(resolve_checkpoint_path(path), module, pieces, optimizers, group, strict)
+    meta = load_into(resolve_checkpoint_path(path), module, pieces, optimizers, group, strict, verify)
     publish_masters(engine, optimizers or ())
     return meta.lightning
 
@@ -336,17 +342,28 @@ def load_into(
     optimizers: Sequence[ShardedOptimizer] | None,
     group: dist.ProcessGroup | None,
     strict: bool = True,
+    verify: bool = True,
 ) -> CheckpointMeta:
     """Loads a sharded checkpoint into the module (and, unless ``optimizers`` is None, their
-    states), whatever world size and stage wrote it. Checks everything before reading any tensor,
-    so a checkpoint that does not fit changes nothing. A collective. The caller publishes the
-    loaded masters to the parameters afterwards."""
-    metadata = read_metadata(path)
-    meta = read_meta(path, metadata)
-    check_model_fits(path, metadata, meta, module, strict, model_pieces)
-    names = param_names(module)
-    if optimizers is not None and meta.optimizers:
-        check_optimizers_fit(path, meta, optimizers, names)
+    states), whatever world size and stage wrote it. Checks everything, checksums included, before
+    reading any tensor, so a checkpoint that does not fit or is damaged changes nothing; the ranks
+    agree first, so every rank raises the same CheckpointError. A collective. The caller publishes
+    the loaded masters to the parameters afterwards."""
+    failure: str | None = None
+    try:
+        metadata = read_metadata(path)
+        meta = read_meta(path, metadata)
+        check_model_fits(path, metadata, meta, module, strict, model_pieces)
+        names = param_names(module)
+        loaded = [MODEL_KEY]
+        if optimizers is not None and meta.optimizers:
+            check_optimizers_fit(path, meta, optimizers, names)
+            loaded += [optimizer_key(index) for index in range(len(meta.optimizers))]
+    except CheckpointError as error:
+        failure = str(error)
+    if failure is None and verify:
+        failure = verify_share(path, metadata, under(loaded), group)
+    agree(failure, group)
     rank = rank_of(group)
     saved_model = {k[len(MODEL_KEY) + 1 :] for k in metadata.state_dict_metadata if k.startswith(MODEL_KEY + ".")}
     by_param = {piece.param: piece for piece in model_pieces}
@@ -380,17 +397,18 @@ def load_into(
     if optimizers is not None and meta.optimizers:
         for index, (optimizer, saved) in enumerate(zip(optimizers, meta.optimizers)):
             load = _OptimizerLoad(optimizer, saved, metadata, index, group)
-            state[optimizer_key(index)] = load.targets
+            if load.targets:  # saved before its first step: no state to read, only hyperparameters
+                state[optimizer_key(index)] = load.targets
             loads.append(load)
     with torch.no_grad():
-        load_sharded(path, state, group)
+        load_sharded(path, metadata, state, group, verified=True)
         if second_reads:
-            load_sharded(path, {MODEL_KEY: second_reads}, group)
+            load_sharded(path, metadata, {MODEL_KEY: second_reads}, group, verified=True)
     for load in loads:
         load.finish()
     for key, source in extra_state:
         owner = module.get_submodule(key[: -len("._extra_state")]) if key.endswith("._extra_state") else module
-        owner.set_extra_state(from_object_entry(model_targets[source]))
+        owner.set_extra_state(from_object_entry(model_targets[source], path, f"{MODEL_KEY}.{source}"))
     return meta
 
 

@@ -319,6 +319,10 @@ class ShardedOptimizer(Optimizer):
         with torch.profiler.record_function("zero::cpu_adam_step"):
             for group, master in fused:
                 self._cpu_adam_step(group, master, coefficient)
+        # The fused pass is the user's optimizer stepping, without its step() when every shard is
+        # fused; an LR scheduler learns of a step only through the flag its wrapper of step() sets,
+        # and would otherwise warn that it was stepped first.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _fused_cpu_masters(self) -> list[tuple[dict[str, Any], Tensor]]:
         """(param group, master) pairs the C++ CPU Adam steps: offloaded shards of Adam/AdamW."""
@@ -328,7 +332,8 @@ class ShardedOptimizer(Optimizer):
         for group, masters in zip(self.param_groups, self._group_masters()):
             if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
                 continue
-            pairs += [(group, master) for master in masters if master.device.type == "cpu"]
+            # the C++ kernel steps fp32 masters; a float64 one goes through the torch optimizer
+            pairs += [(group, master) for master in masters if master.device.type == "cpu" and master.dtype == torch.float32]
         return pairs
 
     def _cpu_adam_step(self, group: dict[str, Any], master: Tensor, coefficient: float) -> None:

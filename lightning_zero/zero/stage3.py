@@ -132,6 +132,26 @@ class ShardedParam:
         return self.shard_range.slice(self.unit.master_grad)
 
 
+def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """fp32, or the parameter's own dtype when it is wider."""
+    return param_dtype if param_dtype.itemsize > 4 else torch.float32
+
+
+def unit_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a parameter is held in: the precision's ``param_dtype``, except for parameters
+    wider than 32 bits, which keep theirs (see [Note: one unit per dtype])."""
+    return dtype if param_dtype is None or dtype.itemsize > 4 else param_dtype
+
+
+def _reduce_dtype(grad_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype.itemsize > grad_dtype.itemsize and dtype.itemsize > 4 else grad_dtype
+
+
+def _unit_name(base: str, dtype: torch.dtype, first: torch.dtype | None) -> str:
+    """A module's unit of its main dtype is named after the module; the others add their dtype."""
+    return base if dtype == first else f"{base}[{str(dtype).replace('torch.', '')}]"
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward on this thread (e.g. a checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1
@@ -165,6 +185,7 @@ class ShardedUnit:
     ) -> None:
         self.name = name
         self.number = -1  # position among the engine's units (set by the engine)
+        self.prefix: str | None = None  # the unit module's name in the model ("" the root; None: persistent)
         self.device = device
         self.module = module
         self.world_size = world_size
@@ -190,13 +211,15 @@ class ShardedUnit:
         shard_device = shard_device or device
         self.shard = _zeros(shard_offset, param_dtype, shard_device, pin)
         # fp32 parameters are their own master (when both live on one device): no second copy.
-        same = param_dtype == torch.float32 and master_device == shard_device
-        self.master = self.shard if same else _zeros(shard_offset, torch.float32, master_device, pin)
-        self.master_grad = _zeros(shard_offset, torch.float32, master_device, pin)
+        # fp32 masters, or the parameters' own dtype where it is wider (float64 keeps its precision)
+        self.master_dtype = master_dtype(param_dtype)
+        same = param_dtype == self.master_dtype and master_device == shard_device
+        self.master = self.shard if same else _zeros(shard_offset, self.master_dtype, master_device, pin)
+        self.master_grad = _zeros(shard_offset, self.master_dtype, master_device, pin)
         # Offloaded, low-precision: the CPU step writes the rounded pieces here (the shard itself
         # when it lives on the CPU too), and they are copied to the device shard from here.
         self.staging: Tensor | None = None
-        if offloaded and param_dtype != torch.float32:
+        if offloaded and param_dtype != self.master_dtype:
             self.staging = self.shard if shard_device.type == "cpu" else _zeros(shard_offset, param_dtype, CPU, pin)
         # The full buffer exists from the start with its final size but no storage: parameters can
         # be views of it before any unit is allocated, so the model is never whole.
@@ -228,7 +251,7 @@ class ShardedUnit:
         with torch.no_grad():
             for sp in self.params:
                 values = sp.param.detach().reshape(-1)
-                padded = torch.zeros(sp.full_range.size, dtype=torch.float32, device=self.device)
+                padded = torch.zeros(sp.full_range.size, dtype=self.master_dtype, device=self.device)
                 padded[: sp.numel].copy_(values)
                 piece = padded[self.rank * sp.shard_numel : (self.rank + 1) * sp.shard_numel]
                 sp.shard.copy_(piece)
@@ -241,7 +264,7 @@ class ShardedUnit:
     @torch.no_grad()
     def gather_master_values(self, collectives: Collectives | CountingCollectives) -> dict[ShardedParam, Tensor]:
         """Every parameter's whole fp32 value from the master pieces (a collective)."""
-        out = torch.empty(self.world_size * self.shard_numel, dtype=torch.float32, device=self.device)
+        out = torch.empty(self.world_size * self.shard_numel, dtype=self.master_dtype, device=self.device)
         collectives.all_gather(out, self.master.to(self.device)).wait()
         by_rank = out.view(self.world_size, self.shard_numel)
         return {
@@ -472,9 +495,15 @@ class Zero3Engine:
         self._check_dtypes(module, param_dtype)
         self._init_units(module, unit_classes, min_unit_numel, persistence_threshold, param_dtype, grad_dtype)
         self._replace_meta_params()
-        self.root_unit = next((u for u in self.units if u.module is module), None)
+        # Parameters outside every other unit (one unit per dtype, see [Note: one unit per dtype]).
+        self.root_units = [u for u in self.units if u.module is module]
         self._registrations: list[tuple[str, nn.Module, str, nn.Parameter]] = []
         self.record_registrations()
+
+    @property
+    def root_unit(self) -> ShardedUnit | None:
+        """The root unit of the parameters' main dtype (the only one when they have one dtype)."""
+        return self.root_units[0] if self.root_units else None
 
     def record_registrations(self) -> None:
         """Remembers which parameter object each module holds, to detect replacements later."""
@@ -488,15 +517,9 @@ class Zero3Engine:
     # ------------------------------------------------------------------ set-up
     @staticmethod
     def _check_dtypes(module: nn.Module, param_dtype: torch.dtype | None) -> None:
-        dtypes = {p.dtype for p in module.parameters()}
         non_float = [n for n, p in module.named_parameters() if not p.is_floating_point()]
         if non_float:
             raise ValueError(f"ZeRO-3 shards floating-point parameters only; these are not: {non_float[:5]}.")
-        if param_dtype is None and len(dtypes) > 1:
-            raise ValueError(
-                f"ZeRO-3 needs the module's parameters in one dtype, found {sorted(map(str, dtypes))}; cast the"
-                " module (e.g. module.float()) or choose a precision, which casts them."
-            )
 
     def _init_units(
         self,
@@ -516,29 +539,48 @@ class Zero3Engine:
                 if param not in owner_of:
                     owner_of[param] = (unit_prefix, unit_modules[unit_prefix])
         names = {p: n for n, p in module.named_parameters()}
-        groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
-        persistent: list[tuple[str, nn.Parameter]] = []
+        # [Note: one unit per dtype] A unit's buffers have one dtype, so a module whose parameters
+        # have several (fp32 norms beside bf16 weights, a float64 scale) gets one unit per dtype,
+        # gathered and freed together by the module's hooks. A precision's param_dtype applies to
+        # parameters of up to 32 bits; wider ones keep their dtype, with a master of their own dtype.
+        groups: dict[tuple[str, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
+        persistent: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for param, (unit_prefix, _) in owner_of.items():
             entry = (names[param], param)
+            dtype = unit_dtype(param.dtype, param_dtype)
             if param.numel() < persistence_threshold:
-                persistent.append(entry)
+                persistent.setdefault(dtype, []).append(entry)
             else:
-                groups.setdefault(unit_prefix, []).append(entry)
-        dtype = param_dtype or next(module.parameters()).dtype
+                groups.setdefault((unit_prefix, dtype), []).append(entry)
         world, rank = self.collectives.world_size, self.collectives.rank
-        total = sum(p.numel() for entries in groups.values() for _, p in entries) + sum(p.numel() for _, p in persistent)
+        total = sum(p.numel() for entries in groups.values() for _, p in entries)
+        total += sum(p.numel() for entries in persistent.values() for _, p in entries)
         placement = MasterPlacement(self.offload_optimizer, self.device, total // world)
         shard_device = CPU if self.offload_params is not None else self.device
         pin = any(policy is not None and policy.pin_memory for policy in (self.offload_optimizer, self.offload_params))
+        # the unit of a module's main dtype (the most elements) is named after the module
+        main_dtype: dict[str, tuple[int, torch.dtype]] = {}
+        for (prefix, dtype), entries in groups.items():
+            size = sum(p.numel() for _, p in entries)
+            if prefix not in main_dtype or size > main_dtype[prefix][0]:
+                main_dtype[prefix] = (size, dtype)
+        first_dtype = {prefix: dtype for prefix, (_, dtype) in main_dtype.items()}
         index = 0
-        named_groups = [(prefix or "<root>", unit_modules[prefix], entries, False) for prefix, entries in groups.items()]
-        if persistent:
-            named_groups.append(("<persistent>", None, persistent, True))
-        for name, unit_module, entries, is_persistent in named_groups:
+        named_groups = [
+            (prefix, _unit_name(prefix or "<root>", dtype, first_dtype[prefix]), unit_modules[prefix], dtype, entries,
+             False)
+            for (prefix, dtype), entries in groups.items()
+        ]
+        first_persistent = next(iter(persistent), None)
+        named_groups += [(None, _unit_name("<persistent>", dtype, first_persistent), None, dtype, entries, True)
+                         for dtype, entries in persistent.items()]
+        for prefix, name, unit_module, dtype, entries, is_persistent in named_groups:
             master_device = placement.place(sum(p.numel() for _, p in entries) // world)
-            unit = ShardedUnit(name, unit_module, entries, index, world, rank, self.device, dtype, grad_dtype,
-                               persistent=is_persistent, master_device=master_device, shard_device=shard_device,
-                               pin=pin, offloaded=self.offload_optimizer is not None and master_device == CPU)
+            unit = ShardedUnit(name, unit_module, entries, index, world, rank, self.device, dtype,
+                               _reduce_dtype(grad_dtype, dtype), persistent=is_persistent,
+                               master_device=master_device, shard_device=shard_device, pin=pin,
+                               offloaded=self.offload_optimizer is not None and master_device == CPU)
+            unit.prefix = prefix
             unit.number = len(self.units)
             self.units.append(unit)
             index += len(entries)
@@ -607,29 +649,31 @@ class Zero3Engine:
                     self._track_memory()
 
     def install_hooks(self) -> None:
+        by_module: dict[nn.Module, list[ShardedUnit]] = {}
         for unit in self.units:
-            if unit.module is not None and unit is not self.root_unit:
-                self._hook_handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
-                self._hook_handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
-        if self.root_unit is not None:
-            # The strategy holds the root unit through each *_step; these gather it for a forward
-            # anywhere else (a callback calling pl_module(x), Hugging Face generate()). Every module
-            # outside the other units gets them: its forward may read a root parameter of a child
-            # without calling the child (MultiheadAttention reads out_proj.weight).
-            root = self.root_unit
+            if unit.module is not None and unit not in self.root_units:
+                by_module.setdefault(unit.module, []).append(unit)
+        for unit_module, units in by_module.items():
+            self._hook_handles.append(unit_module.register_forward_pre_hook(self._make_pre_forward(units)))
+            self._hook_handles.append(unit_module.register_forward_hook(self._make_post_forward(units)))
+        # The strategy holds the root unit through each *_step; these gather it for a forward
+        # anywhere else (a callback calling pl_module(x), Hugging Face generate()). Every module
+        # outside the other units gets them: its forward may read a root parameter of a child
+        # without calling the child (MultiheadAttention reads out_proj.weight).
+        for root in self.root_units:
             for prefix, submodule in self.module.named_modules():
-                if self._enclosing_unit(prefix) is root:
+                if root in self._enclosing_units(prefix):
                     self._hook_handles.append(submodule.register_forward_pre_hook(self._make_root_pre_forward(root)))
                     self._hook_handles.append(submodule.register_forward_hook(self._make_root_post_forward(root)))
         # Modules that use a parameter owned by another unit (tied weights) hold that unit too.
         for prefix, submodule in self.module.named_modules():
-            foreign = {self.sharded_params[p].unit for p in submodule.parameters(recurse=False)
-                       if p in self.sharded_params} - {self._enclosing_unit(prefix)}
-            for unit in foreign:
-                if unit.persistent or unit is self.root_unit:
-                    continue
-                self._hook_handles.append(submodule.register_forward_pre_hook(self._make_pre_forward(unit, False)))
-                self._hook_handles.append(submodule.register_forward_hook(self._make_post_forward(unit)))
+            enclosing = self._enclosing_units(prefix)
+            foreign = [unit for unit in dict.fromkeys(self.sharded_params[p].unit for p in submodule.parameters(recurse=False)
+                                                      if p in self.sharded_params)
+                       if unit not in enclosing and not unit.persistent and unit not in self.root_units]
+            if foreign:
+                self._hook_handles.append(submodule.register_forward_pre_hook(self._make_pre_forward(foreign, False)))
+                self._hook_handles.append(submodule.register_forward_hook(self._make_post_forward(foreign)))
         for unit in self.units:
             unit.trainable_count = sum(1 for sp in unit.params if sp.param.requires_grad)
         # Reverse registration order is backward order; persistent parameters (spread over the
@@ -641,11 +685,11 @@ class Zero3Engine:
             if sp.param.requires_grad:
                 self._hook_handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def _enclosing_unit(self, prefix: str) -> ShardedUnit | None:
-        by_prefix = {("" if unit is self.root_unit else unit.name): unit for unit in self.units if unit.module is not None}
-        if "" not in by_prefix:
-            by_prefix[""] = None  # type: ignore[assignment]  # no root unit: the root encloses nothing
-        return by_prefix[_innermost_prefix(prefix, by_prefix)]
+    def _enclosing_units(self, prefix: str) -> list[ShardedUnit]:
+        """The units of the innermost unit module containing the module at ``prefix``."""
+        prefixes = {unit.prefix for unit in self.units if unit.module is not None} | {""}
+        inner = _innermost_prefix(prefix, prefixes)  # type: ignore[arg-type]
+        return [unit for unit in self.units if unit.module is not None and unit.prefix == inner]
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -664,42 +708,45 @@ class Zero3Engine:
                     " `with trainer.strategy.gathered_params():` (e.g. param.copy_(new_value))."
                 )
 
-    def _make_pre_forward(self, unit: ShardedUnit, prefetch: bool = True) -> Callable[..., None]:
+    def _make_pre_forward(self, units: Sequence[ShardedUnit], prefetch: bool = True) -> Callable[..., None]:
         def pre_forward(module: nn.Module, args: Any) -> None:
             if _in_backward():
                 # Activation checkpointing recomputes forward inside backward (and may stop it
                 # early, so no post-hook runs): hold the unit for backward, not by refcount.
-                self._pre_backward(unit) if prefetch else self._hold_for_backward(unit)
+                for unit in units:
+                    self._pre_backward(unit) if prefetch else self._hold_for_backward(unit)
                 return
             if torch.is_grad_enabled():
                 self._forward_calls += 1
                 self._call_stack.append(self._forward_calls)
                 if self._recording:
                     self._forward_tail_call = self._forward_calls
-            self.acquire(unit, order=self._forward_order if prefetch else None)
+            for unit in units:
+                self.acquire(unit, order=self._forward_order if prefetch else None)
 
         return pre_forward
 
-    def _make_post_forward(self, unit: ShardedUnit) -> Callable[..., Any]:
+    def _make_post_forward(self, units: Sequence[ShardedUnit]) -> Callable[..., Any]:
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
             if _in_backward():
                 return output
             call = self._call_stack.pop() if torch.is_grad_enabled() and self._call_stack else None
-            if (call is not None and not self._recording and call == self._forward_tail_call
-                    and unit.refcount == 1 and unit not in self._backward_held):
-                # The last unit of forward is the first of backward: keep it rather than free and
-                # re-gather it at once (the hold passes to backward).
-                self._backward_held.add(unit)
-            else:
-                self.release(unit)
-            if torch.is_grad_enabled():
-                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+            tensors = ([t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+                       if torch.is_grad_enabled() else [])
+            for unit in units:
+                if (call is not None and not self._recording and call == self._forward_tail_call
+                        and unit.refcount == 1 and unit not in self._backward_held):
+                    # The last unit of forward is the first of backward: keep it rather than free
+                    # and re-gather it at once (the hold passes to backward).
+                    self._backward_held.add(unit)
+                else:
+                    self.release(unit)
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(
-                        tensors, lambda grads: self._pre_backward(unit), mode="any"
+                        tensors, lambda grads, unit=unit: self._pre_backward(unit), mode="any"
                     )
-                if tensors and unit.trainable_count == 0:
-                    self._release_after_input_grads(unit, args)
+                    if unit.trainable_count == 0:
+                        self._release_after_input_grads(unit, args)
             return output
 
         return post_forward
@@ -1058,7 +1105,7 @@ class Zero3Engine:
                 if tuple(value.shape) != tuple(sp.shape):
                     raise ValueError(f"'{key}' has shape {tuple(value.shape)} in the state dict but"
                                      f" {tuple(sp.shape)} in the model.")
-                padded = torch.zeros(sp.full_range.size, dtype=torch.float32, device=unit.shard.device)
+                padded = torch.zeros(sp.full_range.size, dtype=unit.master_dtype, device=unit.shard.device)
                 padded[: sp.numel].copy_(value.reshape(-1))
                 piece = padded[unit.rank * sp.shard_numel : (unit.rank + 1) * sp.shard_numel]
                 sp.shard.copy_(piece)
