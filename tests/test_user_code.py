@@ -89,11 +89,7 @@ def _averaged(strategy: Any, averaging: Callback) -> dict[str, Any]:
     pl.seed_everything(0)
     module = TiedGPT()
     pieces = AveragedPieces(averaging)
-    with launched_environment():
-        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=3, limit_train_batches=4,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[averaging, pieces])
-        trainer.fit(module, train_dataloaders=loader())
+    _fit_epochs(module, strategy, [averaging, pieces], max_epochs=3, limit_train_batches=4)
     return {"params": params_of(module), "elements": pieces.elements}
 
 
@@ -117,14 +113,20 @@ class ForwardInCallback(Callback):
             self.outputs.append(pl_module(tokens))
 
 
+def _fit_epochs(module: pl.LightningModule, strategy: Any, callbacks: list[Callback], **trainer_kwargs: Any) -> None:
+    """Fits by epochs (the callbacks here act at epoch ends), inside the launched ranks."""
+    with launched_environment():
+        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=callbacks, **trainer_kwargs)
+        trainer.fit(module, train_dataloaders=loader())
+
+
 def _forward_outside(strategy: Any) -> Tensor:
     pl.seed_everything(0)
     callback = ForwardInCallback()
-    with launched_environment():
-        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=2, limit_train_batches=3,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[callback])
-        trainer.fit(TinyGPT(), train_dataloaders=loader())  # 4.5K parameters: all in the root unit
+    # TinyGPT's 4.5K parameters are all in the root unit
+    _fit_epochs(TinyGPT(), strategy, [callback], max_epochs=2, limit_train_batches=3)
     return torch.stack(callback.outputs)
 
 
@@ -159,11 +161,7 @@ class Generates(Callback):
 def _generate(strategy: Any) -> Tensor:
     pl.seed_everything(0)
     callback = Generates()
-    with launched_environment():
-        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=2, limit_train_batches=3,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[callback])
-        trainer.fit(TinyHFGPT2(), train_dataloaders=loader())
+    _fit_epochs(TinyHFGPT2(), strategy, [callback], max_epochs=2, limit_train_batches=3)
     return torch.cat(callback.tokens)
 
 
