@@ -52,6 +52,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPT_EXAMPLE_DIR = REPO_ROOT / "examples" / "gpt"
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+# Not run by default: ZeRO-3 without the exchange of unit numbers before each all-gather
+# (ZeroConfig.check_gather_order=False), to price that check against zero3 in the same run.
+EXTRA_STRATEGIES = ("zero3_unchecked",)
 BASELINE = "ddp"
 MiB = 2**20
 # Ranks that outlive a failed peer are most likely waiting on a collective it will never join.
@@ -219,11 +222,12 @@ def _build_strategy(spec: RunSpec) -> Any:
     if spec.strategy == "fsdp":
         # Lightning's FSDP (FSDP1, use_orig_params=True, one unit for the whole model: no wrap policy).
         return FSDPStrategy(process_group_backend="gloo")
-    stage = {"zero1": 1, "zero2": 2, "zero3": 3}[spec.strategy]
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_unchecked": 3}[spec.strategy]
     bucket = {} if spec.bucket_size is None else {"reduce_bucket_size": spec.bucket_size}
     # Stage 3 gathers one transformer block at a time (both the demo GPT and the stand-in call it Block).
     units = {"unit_modules": ("Block",)} if stage == 3 else {}
-    config = ZeroConfig(stage=stage, **bucket, **units)
+    checks = {"check_gather_order": False} if spec.strategy == "zero3_unchecked" else {}
+    config = ZeroConfig(stage=stage, **bucket, **units, **checks)
     # popen, the default: it sees the torchrun variables and launches nothing itself.
     return ZeroStrategy(config=config)
 
@@ -530,7 +534,7 @@ def _print_stage3_ratios(results: Sequence[StrategyResult], console: Any) -> Non
     zero3 = by_name.get("zero3")
     if zero3 is None or zero3.error is not None:
         return
-    for other in ("zero2", "fsdp"):
+    for other in ("zero2", "fsdp", "zero3_unchecked"):
         reference = by_name.get(other)
         if reference is None:
             continue
@@ -601,7 +605,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--strategies",
         nargs="+",
-        choices=STRATEGIES,
+        choices=STRATEGIES + EXTRA_STRATEGIES,
         default=list(STRATEGIES),
         help=f"subset to run; {BASELINE} is always run too, as the reference for the ratios",
     )
@@ -632,7 +636,7 @@ def main(argv: Sequence[str]) -> int:
     if argv[:1] == ["--_rank"]:
         return _rank_main(RunSpec.from_json(argv[1]), Path(argv[2]))
     args = parse_args(argv)
-    strategies = [name for name in STRATEGIES if name in args.strategies or name == BASELINE]
+    strategies = [name for name in STRATEGIES + EXTRA_STRATEGIES if name in args.strategies or name == BASELINE]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="step_time_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     knobs = ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
