@@ -9,6 +9,11 @@ concatenation of its chunks (one fp32 tensor per bucket, ~Psi/N elements in all)
 reduce-scatter (gradients) or all-gather (parameters) per bucket moves exactly that bucket's
 data. Index spaces are named by :class:`Range` users: "bucket" offsets are within a bucket's flat
 data, "shard" offsets are within the rank's master shard.
+
+Each bucket's master chunk is cut into one view per parameter, its :class:`ParamPiece` (the
+last one also covers the chunk's padding, so the views tile the chunk): the wrapped optimizer
+steps and keys its state by these views, so it keeps per-parameter state as torch.optim does
+(see [Note: parameters without a gradient] in optimizer.py).
 """
 
 from __future__ import annotations
@@ -36,6 +41,26 @@ class Range:
 
     def slice(self, flat: Tensor) -> Tensor:
         return flat[self.start : self.end]
+
+
+@dataclass(frozen=True)
+class ParamPiece:
+    """This rank's part of one parameter's master (and optimizer state), and every rank's part.
+
+    Indices of ``ranges`` are in the flattened parameter; a sharded checkpoint saves each rank's
+    range as boxes of the parameter's true shape (see [Note: checkpoint layout] in
+    lightning_zero/checkpoint/sharded.py).
+    """
+
+    param: nn.Parameter
+    name: str
+    ranges: tuple[Range, ...]  # rank r holds ranges[r] of the flattened parameter (maybe empty)
+    holder: Tensor  # the 1-d master tensor the wrapped optimizer steps and keys its state by
+    in_holder: Range  # where this rank's range lies inside ``holder`` and its per-element state
+
+    @property
+    def master(self) -> Tensor:
+        return self.in_holder.slice(self.holder)
 
 
 @dataclass(frozen=True)
@@ -83,8 +108,10 @@ class Bucket:
         self.keep_grad_buffer = keep_grad_buffer
         self.grad_data: Tensor | None = None
         # This rank's fp32 master chunk [shard_numel] and its gradient; on the CPU under offload.
+        # Never rebound after set_master: the pieces are views into them.
         self.master = torch.empty(0)
         self.master_grad = torch.empty(0)
+        self.pieces: list[ParamPiece] = []  # pieces[i]: slots[i]'s part of the master, on this rank
         # Under offload with bf16/fp16 parameters: the CPU step writes the rounded chunk here
         # (pinned), and it is copied to the device from here.
         self.staging: Tensor | None = None
@@ -105,6 +132,31 @@ class Bucket:
     def owned_chunk(self, flat: Tensor) -> Tensor:
         """This rank's chunk of a bucket-sized tensor."""
         return flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+
+    def set_master(self, master: Tensor, master_grad: Tensor) -> None:
+        """Takes this rank's master chunk and its gradient, and cuts both into one view per slot.
+
+        A slot with no element in this chunk gets an empty view: the wrapped optimizer still
+        steps it (nothing to compute) so that every rank keeps the same per-parameter scalars,
+        e.g. Adam's step count, which a checkpoint saves from rank 0.
+        """
+        self.master, self.master_grad = master, master_grad
+        chunk = self.shard_numel
+        chunk_start = self.rank * chunk
+        self.pieces = []
+        for number, slot in enumerate(self.slots):
+            start, end = slot.bucket_range.start, slot.bucket_range.end
+            # rank r's chunk of the bucket, intersected with this parameter, in its own index space
+            ranges = tuple(
+                Range(min(max(r * chunk, start), end) - start, max(min((r + 1) * chunk, end), start) - start)
+                for r in range(self.world_size)
+            )
+            # The holders tile the chunk: the last slot's also covers the padding, stepped as before.
+            first = min(max(start - chunk_start, 0), chunk)
+            stop = chunk if number == len(self.slots) - 1 else min(max(end - chunk_start, 0), chunk)
+            holder = master[first:stop]
+            holder.grad = master_grad[first:stop]
+            self.pieces.append(ParamPiece(slot.param, slot.name, ranges, holder, Range(0, ranges[self.rank].size)))
 
     def accumulate(self, slot: ParamSlot, grad: Tensor) -> None:
         if self.state is GradState.REDUCING:
@@ -225,9 +277,9 @@ class FlatParamBuffer:
                 offset += param.numel()
             param_data.copy_(values)
             master_device = placement.place(bucket.shard_numel)
-            bucket.master = placement.zeros(bucket.shard_numel, master_device)
-            bucket.master.copy_(bucket.owned_chunk(values))
-            bucket.master_grad = placement.zeros(bucket.shard_numel, master_device)
+            master = placement.zeros(bucket.shard_numel, master_device)
+            master.copy_(bucket.owned_chunk(values))
+            bucket.set_master(master, placement.zeros(bucket.shard_numel, master_device))
             if offload is not None and master_device.type == "cpu" and dtype != torch.float32:
                 bucket.staging = placement.zeros(bucket.shard_numel, torch.device("cpu"), dtype)
             self.buckets.append(bucket)

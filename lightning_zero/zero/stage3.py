@@ -1006,8 +1006,11 @@ class Zero3Optimizer(ShardedOptimizer):
     def _group_masters(self) -> list[list[Tensor]]:
         return [[self._master_of[id(sp)][0] for sp in members] for members in self.groups]
 
-    def _param_names(self) -> dict[int, str]:
-        return {self._local_index[id(sp)]: sp.name for sp in self.params}
+    def _trained_masters(self, had_grad: Tensor) -> list[list[Tensor]]:
+        return [
+            [self._master_of[id(sp)][0] for sp in members if had_grad[self._local_index[id(sp)]]]
+            for members in self.groups
+        ]
 
     def param_pieces(self) -> list[ParamPiece]:
         return [sp.piece(self._master_of[id(sp)][0]) for sp in self.params]
