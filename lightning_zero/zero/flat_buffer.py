@@ -4,11 +4,14 @@
 The parameters of one optimizer param group and one dtype are packed, in reverse registration
 order (roughly the order backward produces their gradients), into buckets of about
 ``reduce_bucket_size`` elements. Each bucket is padded to a multiple of the world size N and
-split into N equal chunks: rank r owns chunk r of every bucket. A rank's fp32 master shard is the
-concatenation of its chunks (one fp32 tensor per bucket, ~Psi/N elements in all), and one
+split into N equal chunks: rank r owns chunk r of every bucket. A rank's master shard is the
+concatenation of its chunks (one tensor per bucket, ~Psi/N elements in all), and one
 reduce-scatter (gradients) or all-gather (parameters) per bucket moves exactly that bucket's
 data. Index spaces are named by :class:`Range` users: "bucket" offsets are within a bucket's flat
 data, "shard" offsets are within the rank's master shard.
+
+Masters are fp32, or the parameters' own dtype where it is wider (float64): a float64 parameter
+is reduced, stored and stepped in float64, as DDP does (see :func:`master_dtype`).
 
 Each bucket's master chunk is cut into one view per parameter, its :class:`ParamPiece` (the
 last one also covers the chunk's padding, so the views tile the chunk): the wrapped optimizer
@@ -63,6 +66,12 @@ class ParamPiece:
         return self.in_holder.slice(self.holder)
 
 
+def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a parameter's master, gradient reduction and optimizer state: fp32, or the
+    parameter's own dtype when it is wider (float64 must not be rounded through fp32)."""
+    return torch.promote_types(param_dtype, torch.float32)
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """Where one parameter lives inside its bucket."""
@@ -107,8 +116,8 @@ class Bucket:
         self.rank = rank
         self.keep_grad_buffer = keep_grad_buffer
         self.grad_data: Tensor | None = None
-        # This rank's fp32 master chunk [shard_numel] and its gradient; on the CPU under offload.
-        # Never rebound after set_master: the pieces are views into them.
+        # This rank's master chunk [shard_numel] (fp32 or wider) and its gradient; on the CPU
+        # under offload. Never rebound after set_master: the pieces are views into them.
         self.master = torch.empty(0)
         self.master_grad = torch.empty(0)
         self.pieces: list[ParamPiece] = []  # pieces[i]: slots[i]'s part of the master, on this rank
@@ -233,9 +242,11 @@ class FlatParamBuffer:
     """The parameters of one param group and one dtype, flattened into buckets.
 
     Owns the full flat parameter data [sum of padded bucket sizes] in ``param_dtype`` (every rank
-    holds all of it at stages 1 and 2); each bucket owns this rank's fp32 master chunk with its
-    gradient (on the CPU for the share an offload policy sends there). The master is taken from the parameters' values before any cast to
-    ``param_dtype``, so casting a model to bf16/fp16 loses nothing of the weights it started from.
+    holds all of it at stages 1 and 2); each bucket owns this rank's master chunk with its
+    gradient (on the CPU for the share an offload policy sends there), in
+    ``master_dtype(parameters' dtype)``. The master is taken from the parameters' values before
+    any cast to ``param_dtype``, so casting a model to bf16/fp16 loses nothing of the weights it
+    started from.
     """
 
     def __init__(
@@ -251,6 +262,7 @@ class FlatParamBuffer:
         offload: CPUOffloadPolicy | None = None,
     ) -> None:
         dtype = param_dtype or named_params[0][2].dtype
+        self.master_dtype = master_dtype(named_params[0][2].dtype)
         layout = _plan_buckets(named_params, bucket_size, world_size)
         total = sum(padded for _, padded in layout)
         self.dtype = dtype
@@ -268,7 +280,7 @@ class FlatParamBuffer:
             )
             # The bucket's values in full precision, one bucket at a time: the master shard is
             # taken from them rather than from the (possibly bf16/fp16) flat parameters.
-            values = torch.zeros(padded, dtype=torch.float32, device=device)
+            values = torch.zeros(padded, dtype=self.master_dtype, device=device)
             offset = 0
             for index, name, param in members:
                 slot = ParamSlot(param, name, index, Range(offset, offset + param.numel()))
@@ -277,10 +289,12 @@ class FlatParamBuffer:
                 offset += param.numel()
             param_data.copy_(values)
             master_device = placement.place(bucket.shard_numel)
-            master = placement.zeros(bucket.shard_numel, master_device)
+            master = placement.zeros(bucket.shard_numel, master_device, self.master_dtype)
             master.copy_(bucket.owned_chunk(values))
-            bucket.set_master(master, placement.zeros(bucket.shard_numel, master_device))
-            if offload is not None and master_device.type == "cpu" and dtype != torch.float32:
+            bucket.set_master(master, placement.zeros(bucket.shard_numel, master_device, self.master_dtype))
+            # Only the C++ CPU step, fp32 masters only, writes a low-precision copy (_fused_cpu_masters).
+            fused_out = self.master_dtype == torch.float32 and dtype != torch.float32
+            if offload is not None and master_device.type == "cpu" and fused_out:
                 bucket.staging = placement.zeros(bucket.shard_numel, torch.device("cpu"), dtype)
             self.buckets.append(bucket)
             self.slots.extend(bucket.slots)

@@ -52,6 +52,7 @@ from lightning_zero.zero.flat_buffer import (
     GradState,
     ParamPiece,
     ParamSlot,
+    master_dtype,
 )
 
 # Optimizers whose update of one element depends only on that element's gradient and state.
@@ -300,15 +301,15 @@ class ShardedOptimizer(Optimizer):
                 self._cpu_adam_step(group, master, coefficient)
 
     def _fused_cpu_masters(self, trained: list[list[Tensor]]) -> list[tuple[dict[str, Any], Tensor]]:
-        """(param group, master) pairs of ``trained`` the C++ CPU Adam steps: offloaded masters
-        of Adam/AdamW."""
+        """(param group, master) pairs of ``trained`` the C++ CPU Adam steps: offloaded fp32
+        masters of Adam/AdamW (wider masters go through torch)."""
         if self.config.offload_optimizer is None or type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             return []
         pairs = []
         for group, masters in zip(self.param_groups, trained):
             if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
                 continue
-            pairs += [(group, m) for m in masters if m.device.type == "cpu"]
+            pairs += [(group, m) for m in masters if m.device.type == "cpu" and m.dtype == torch.float32]
         return pairs
 
     def _cpu_adam_step(self, group: dict[str, Any], master: Tensor, coefficient: float) -> None:
@@ -487,7 +488,8 @@ class ZeroOptimizer(ShardedOptimizer):
             collectives: the data-parallel group's collectives.
             config: ZeRO settings.
             param_dtype: the dtype the model's parameters are held and computed in (bf16/fp16 for
-                mixed precision); the master shard is always fp32. ``None`` keeps their dtype.
+                mixed precision); the master shard is fp32, or the parameter's dtype where that is
+                wider (float64). ``None`` keeps their dtype.
             loss_scaler: for fp16: gradients arrive multiplied by its scale; steps whose gradients
                 overflow on any rank are skipped and reported to it.
         """
@@ -544,10 +546,10 @@ class ZeroOptimizer(ShardedOptimizer):
                     keep_grad_buffers=self.config.stage == 1,
                     device=device,
                     param_dtype=self.param_dtype,
-                    grad_dtype=self.config.reduce_torch_dtype,
+                    grad_dtype=_reduce_dtype(dtype, self.config),
                     offload=self.config.offload_optimizer,
                 )
-                for entries in by_dtype.values()
+                for dtype, entries in by_dtype.items()
             ]
             for buffer in group_buffers:
                 for bucket in buffer.buckets:
@@ -631,7 +633,7 @@ class ZeroOptimizer(ShardedOptimizer):
         ``keep=False`` this rank only takes part and gets {})."""
         values: dict[nn.Parameter, Tensor] = {}
         for bucket in self.buckets:
-            full = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.comm_device)
+            full = torch.empty(bucket.padded_numel, dtype=bucket.master.dtype, device=self.comm_device)
             self.collectives.all_gather(full, bucket.master.to(self.comm_device)).wait()
             if keep:
                 for slot in bucket.slots:
@@ -801,6 +803,13 @@ def _is_per_element(pieces: Sequence[ParamPiece], states: Sequence[Mapping[str, 
 def _offset_in(view: Tensor, base: Tensor) -> int:
     """Where the 1-d ``view`` starts inside ``base``, the tensor it is a slice of."""
     return view.storage_offset() - base.storage_offset()
+
+
+def _reduce_dtype(param_dtype: torch.dtype, config: ZeroConfig) -> torch.dtype:
+    """What gradients of ``param_dtype`` parameters are accumulated and reduced in: the configured
+    reduce dtype, except for parameters wider than fp32, which keep their own (see master_dtype)."""
+    wide = master_dtype(param_dtype)
+    return wide if wide != torch.float32 else config.reduce_torch_dtype
 
 
 def _check_full_optimizer_state(
