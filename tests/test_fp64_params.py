@@ -68,7 +68,9 @@ class Snapshot(Callback):
             self._take(trainer, module)
 
 
-def _run(strategy: Any, steps: int = STEPS, ckpt_path: str | None = None, at: str = "end") -> tuple[dict[str, Any], pl.Trainer]:
+def _run(
+    strategy: Any, steps: int = STEPS, ckpt_path: str | None = None, at: str = "end"
+) -> tuple[dict[str, Any], pl.Trainer]:
     pl.seed_everything(0)
     module = ScaledGPT()
     snapshot = Snapshot(at)

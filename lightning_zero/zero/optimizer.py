@@ -701,7 +701,9 @@ class ZeroOptimizer(ShardedOptimizer):
             if all(id(piece.holder) in self._fused_last for piece in bucket.pieces)
         }
         handles = [
-            handle for buffer in self.flat_buffers for handle in buffer.start_all_gather(self.collectives, staged=staged)
+            handle
+            for buffer in self.flat_buffers
+            for handle in buffer.start_all_gather(self.collectives, staged=staged)
         ]
         with torch.profiler.record_function("zero::wait_all_gather"):
             for handle in handles:
@@ -731,7 +733,7 @@ class ZeroOptimizer(ShardedOptimizer):
                     # One all-gather per bucket and key: the pieces' state tensors tile the chunk.
                     dtype = next(s[key].dtype for s in piece_states if key in s)
                     chunk = torch.cat([
-                        s[key] if key in s else torch.zeros(piece.holder.numel(), dtype=dtype, device=piece.holder.device)
+                        s[key] if key in s else torch.zeros_like(piece.holder, dtype=dtype)
                         for piece, s in zip(bucket.pieces, piece_states)
                     ])
                     full = torch.empty(bucket.padded_numel, dtype=dtype, device=self.comm_device)
@@ -775,8 +777,9 @@ class ZeroOptimizer(ShardedOptimizer):
                 if isinstance(value, Tensor) and value.dim() > 0:
                     if value.shape != piece.param.shape:
                         raise ValueError(
-                            f"Optimizer state '{key}' of parameter '{piece.name}' has shape {tuple(value.shape)}, but"
-                            f" the parameter has shape {tuple(piece.param.shape)}: the state comes from a different model."
+                            f"Optimizer state '{key}' of parameter '{piece.name}' has shape {tuple(value.shape)},"
+                            f" but the parameter has shape {tuple(piece.param.shape)}: the state comes from a"
+                            " different model."
                         )
                     # Padding (in the last piece of a bucket) starts at zero, as in a fresh state.
                     target = torch.zeros_like(piece.holder)
