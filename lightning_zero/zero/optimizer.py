@@ -197,6 +197,8 @@ class ShardedOptimizer(Optimizer):
     def publish_params(self) -> None:
         """Makes the model's parameters equal the master values (a collective), e.g. after the
         masters were loaded from a checkpoint."""
+        # The masters were written outside a step: no staging copy the CPU step wrote holds them.
+        self._fused_last = set()
         with torch.no_grad():
             self._publish_params()
 
