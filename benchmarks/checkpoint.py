@@ -15,6 +15,11 @@ the same run, each against its baseline:
   the full file and slicing its shards out (``load_state_dict``).
 - export to one file: ``lightning_zero.consolidate`` (streamed) against torch's
   ``dcp_to_torch_save`` (loads the whole checkpoint, then saves it), in a fresh process each.
+- checksums: the sharded save and load with and without the CRC-32 of every record (see
+  [Note: checkpoint checksums]), alternated ``--repeats`` times, the fastest of each kept; the
+  difference is the checksums' cost, per GB of checkpoint saved or loaded; and the checksum
+  passes alone (the save's read-back and hash, the load's verification), which the fsyncs'
+  variance cannot hide.
 
 This is a measurement, not a test: nothing here asserts.
 """
@@ -102,6 +107,37 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, directory:
         "load_full": _measure(load_full),
         "load_sharded": _measure(lambda: load_checkpoint(sharded, model, [optimizer])),
     }
+    # Checksums: with and without, alternated so that both see the same page cache and disk. Both
+    # loads read the same checkpoint, saved with checksums; the plain load only skips verifying.
+    timings: dict[str, list[float]] = {name: [] for name in ("save_plain", "save_crc", "load_plain", "load_crc")}
+    runs = {
+        "save_plain": lambda: save_checkpoint(sharded, model, [optimizer], checksums=False),
+        "save_crc": lambda: save_checkpoint(sharded, model, [optimizer]),
+        "load_plain": lambda: load_checkpoint(sharded, model, [optimizer], verify=False),
+        "load_crc": lambda: load_checkpoint(sharded, model, [optimizer]),
+    }
+    for repeat in range(args.repeats):
+        for kind in ("save", "load"):
+            order = ("plain", "crc") if repeat % 2 == 0 else ("crc", "plain")  # neither always goes first
+            for how in order:
+                timings[f"{kind}_{how}"].append(_measure(runs[f"{kind}_{how}"])[0])
+            if kind == "save" and order[-1] == "plain":
+                runs["save_crc"]()  # the loads read a checkpoint with checksums
+    results.update({name: (min(values), 0) for name, values in timings.items()})
+    # The checksum passes alone, without the fsyncs whose variance can exceed them end to end: what
+    # the writer does after writing (read back and hash this rank's records) and the load's
+    # verification (this rank's share of all records).
+    from pathlib import Path
+
+    from lightning_zero.checkpoint.checksums import record_crcs, verify_share
+    from lightning_zero.checkpoint.sharded import read_metadata
+
+    metadata = read_metadata(Path(sharded))
+    spans = [(i.relative_path, i.offset, i.length) for i in metadata.storage_data.values()
+             if i.relative_path == f"__{rank}_0.distcp"]
+    results["crc_save_pass"] = min(_measure(lambda: record_crcs(Path(sharded), spans)) for _ in range(args.repeats))
+    results["crc_load_pass"] = min(_measure(lambda: verify_share(Path(sharded), metadata, lambda key: True, None))
+                                   for _ in range(args.repeats))
     queue.put((rank, results))
     dist.destroy_process_group()
 
@@ -135,6 +171,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each checksum measurement (fastest kept)")
     args = parser.parse_args()
     params = args.layers * args.width * args.width
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as directory:
@@ -173,6 +210,21 @@ def main() -> None:
           f" {ours['growth'] / MIB:.0f} | {torchs['growth'] / MIB:.0f} | {ours['growth'] / max(torchs['growth'], 1):.3f} |")
     print("baselines: save = consolidate onto rank 0 + torch.save; load = torch.load of the full file on every rank;"
           " export = torch's dcp_to_torch_save")
+    gigabytes = sizes["sharded.ckpt"] / 1e9
+    print()
+    print(f"checksums (CRC-32 of every record), fastest of {args.repeats}, slowest rank, {gigabytes:.2f} GB checkpoint:")
+    print("| operation | with checksums s | without s | ratio | extra s per GB |")
+    print("|---|---|---|---|---|")
+    for kind in ("save", "load"):
+        crc, plain = slowest(f"{kind}_crc"), slowest(f"{kind}_plain")
+        print(f"| {kind} | {crc:.2f} | {plain:.2f} | {crc / plain:.2f} | {(crc - plain) / gigabytes:.2f} |")
+    print("the checksum pass alone (ranks in parallel, each on its share), slowest rank:")
+    print("| pass | s | s per GB of checkpoint | share of the run without checksums |")
+    print("|---|---|---|---|")
+    for kind in ("save", "load"):
+        alone = slowest(f"crc_{kind}_pass")
+        print(f"| {kind}: {'read back and hash own records' if kind == 'save' else 'verify a share of all records'} |"
+              f" {alone:.3f} | {alone / gigabytes:.3f} | {alone / slowest(f'{kind}_plain'):.2f} |")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ import warnings
 from collections.abc import Sequence
 
 from lightning_zero.checkpoint.consolidate import DTYPES, consolidate
-from lightning_zero.checkpoint.sharded import CheckpointError
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_zero.checkpoint.checksums import CheckpointError, reason
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                progress=not args.no_progress)
         except (CheckpointError, ValueError, OSError) as error:
             print(f"lightning-zero consolidate: error: {error}", file=sys.stderr)
+            return 2
+        except CheckpointException as error:  # DCP's wrapper of an error not translated above: no traceback either
+            inner = ", ".join(reason(exc) for exc, _ in error.failures.values())
+            print(f"lightning-zero consolidate: error: {args.checkpoint} cannot be read ({inner}).", file=sys.stderr)
             return 2
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0

@@ -42,7 +42,8 @@ class ZeroConfig:
             non-elementwise optimizers are always refused; set this to ``True`` to accept an
             optimizer class we do not know, once you have checked its update is elementwise.
         unit_modules: stage 3: class names of the modules gathered as one unit each (e.g.
-            ``("Block",)`` for every transformer block). Empty: units are chosen by size.
+            ``("Block",)`` for every transformer block; one name may be given as a string).
+            Empty: units are chosen by size.
         min_unit_numel: stage 3, without ``unit_modules``: a module becomes a unit once the
             parameters under it that no smaller unit took reach this many elements, so small
             modules are grouped into their parent's unit.
@@ -51,12 +52,16 @@ class ZeroConfig:
         prefetch_units: stage 3: how many units ahead (in the order recorded on the first step)
             are gathered while the current one computes, in forward and in backward.
         prefetch_bytes: stage 3: prefetch by bytes instead: gather ahead while the units fit in
-            this many bytes. Overrides ``prefetch_units``.
+            this many bytes (0 turns prefetch off). Overrides ``prefetch_units``.
         offload_optimizer: keep the fp32 master shards and optimizer state in CPU memory (all of it,
             or ``ratio`` of it); gradients are copied there as each reduction finishes and Adam/AdamW
             steps there in one fused pass.
         offload_params: stage 3: keep the parameter shards in CPU memory too; each moves to the
             device for its gather.
+        check_gather_order: stage 3: before each all-gather the ranks exchange which unit it is for
+            (16 bytes, over gloo), so ranks that run different units (a rank-dependent branch) get an
+            error naming them instead of a hang or an abort inside the collective. ``False`` saves
+            that round trip per gather once the model's control flow is known to agree across ranks.
     """
 
     stage: int = 2
@@ -71,6 +76,7 @@ class ZeroConfig:
     prefetch_bytes: int | None = None
     offload_optimizer: CPUOffloadPolicy | None = None
     offload_params: CPUOffloadPolicy | None = None
+    check_gather_order: bool = True
 
     def __post_init__(self) -> None:
         _check_type("stage", self.stage, int)
@@ -79,13 +85,18 @@ class ZeroConfig:
                 f"ZeroConfig.stage={self.stage!r} is not supported: use 1 (optimizer state sharded), 2"
                 " (optimizer state and gradients sharded) or 3 (parameters sharded too)."
             )
-        _check_positive("reduce_bucket_size", self.reduce_bucket_size)
+        _check_positive("reduce_bucket_size", self.reduce_bucket_size,
+                        "25_000_000 (about 100 MB of fp32 gradients per bucket)")
         _check_type("reduce_every_micro_step", self.reduce_every_micro_step, bool)
         _check_type("allow_unknown_optimizer", self.allow_unknown_optimizer, bool)
-        object.__setattr__(self, "unit_modules", tuple(self.unit_modules))  # YAML gives a list
-        if not all(isinstance(name, str) and name for name in self.unit_modules):
+        _check_type("check_gather_order", self.check_gather_order, bool)
+        # YAML gives a list; one class name given as a string is that name, not its letters.
+        names = (self.unit_modules,) if isinstance(self.unit_modules, str) else self.unit_modules
+        if not isinstance(names, (tuple, list)) or not all(isinstance(name, str) and name for name in names):
             raise ValueError(f"ZeroConfig.unit_modules={self.unit_modules!r} must be module class names, e.g. ('Block',).")
-        _check_positive("min_unit_numel", self.min_unit_numel)
+        object.__setattr__(self, "unit_modules", tuple(names))
+        _check_positive("min_unit_numel", self.min_unit_numel,
+                        "1_000_000 (modules of fewer parameter elements join their parent's unit)")
         _check_type("param_persistence_threshold", self.param_persistence_threshold, int)
         if self.param_persistence_threshold < 0:
             raise ValueError(
@@ -96,7 +107,12 @@ class ZeroConfig:
         if self.prefetch_units < 0:
             raise ValueError(f"ZeroConfig.prefetch_units={self.prefetch_units!r} must be >= 0 (0 turns prefetch off).")
         if self.prefetch_bytes is not None:
-            _check_positive("prefetch_bytes", self.prefetch_bytes)
+            _check_type("prefetch_bytes", self.prefetch_bytes, int)
+            if self.prefetch_bytes < 0:
+                raise ValueError(
+                    f"ZeroConfig.prefetch_bytes={self.prefetch_bytes!r} must be a number of bytes >= 0, e.g."
+                    " 200_000_000 (0 turns prefetch off), or None to prefetch prefetch_units units ahead."
+                )
         if self.stage != 3 and (self.unit_modules or self.param_persistence_threshold):
             raise ValueError(
                 f"ZeroConfig.unit_modules / param_persistence_threshold apply to stage 3 only, but stage={self.stage}."
@@ -143,10 +159,7 @@ def _check_type(name: str, value: Any, expected: type) -> None:
         raise ValueError(f"ZeroConfig.{name}={value!r} must be of type {expected.__name__}.")
 
 
-def _check_positive(name: str, value: Any) -> None:
+def _check_positive(name: str, value: Any, example: str) -> None:
     _check_type(name, value, int)
     if value <= 0:
-        raise ValueError(
-            f"ZeroConfig.{name}={value!r} must be a positive number of elements, e.g. 25_000_000"
-            " (about 100 MB of fp32 gradients per bucket)."
-        )
+        raise ValueError(f"ZeroConfig.{name}={value!r} must be a positive number of elements, e.g. {example}.")

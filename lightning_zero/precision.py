@@ -101,10 +101,16 @@ class ZeroPrecision(Precision):
     def convert_module(self, module: Module) -> Module:
         if self.param_dtype is None:
             return module
+        # Parameters wider than 32 bits (a float64 scale) keep their dtype and precision: ZeRO gives
+        # them a master of their own dtype ([Note: one unit per dtype] in zero/stage3.py).
+        wide = {param: param.data for param in module.parameters() if param.is_floating_point() and param.dtype.itemsize > 4}
         if not self.mixed:
-            return module.to(dtype=self.param_dtype)
+            module.to(dtype=self.param_dtype)
+            for param, data in wide.items():
+                param.data = data
+            return module
         for param in module.parameters():
-            if param.is_floating_point() and param.dtype != self.param_dtype:
+            if param.is_floating_point() and param.dtype != self.param_dtype and param not in wide:
                 param.data = param.data.to(self.param_dtype)
         # Autocast leaves batch norm alone, and batch norm wants its running statistics in its
         # weight's dtype: they follow the weights (as in DeepSpeed's bf16/fp16 modes).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +43,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.checksums import CheckpointError
 from lightning_zero.checkpoint.full import load_full_checkpoint
 from lightning_zero.checkpoint.sharded import (
     META_KEY,
@@ -66,10 +67,17 @@ from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
+from lightning_zero.zero.consistency import agree_on_batches, check_same_model
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, ZeroOptimizer, no_sync
 from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
 
 log = logging.getLogger(__name__)
+
+# The callbacks that copy the module at setup to average its weights (WeightAveraging: lightning>=2.6).
+_WEIGHT_AVERAGING_CALLBACKS: tuple[type, ...] = tuple(
+    cls for cls in (getattr(pl.callbacks, name, None) for name in ("StochasticWeightAveraging", "WeightAveraging"))
+    if cls is not None
+)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 StateDictType = Literal["sharded", "full"]
@@ -135,6 +143,9 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
         self._engine: Zero3Engine | None = None
         self._root_held = False
+        # The run stopped on an error every rank raised together (a checkpoint that could not be
+        # loaded), so teardown's collectives are safe: stage 3 hands the module back whole.
+        self._failed_on_every_rank = False
 
     # ------------------------------------------------------------------ precision
     @property
@@ -197,6 +208,19 @@ class ZeroStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A dataloader whose number of batches is unknown or differs between ranks is iterated in
+        step with the other ranks, so a rank that runs out raises on every rank (see [Note: ranks
+        that disagree])."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        stage = trainer.state.stage if trainer is not None else None
+        prefix = stage.dataloader_prefix if stage is not None else None
+        name = f"{prefix}_dataloader" if prefix else "dataloader"
+        limit = getattr(trainer, f"limit_{prefix}_batches", None) if prefix else None
+        return agree_on_batches(dataloader, self.collectives, name, limit)
+
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
@@ -237,9 +261,13 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._failed_on_every_rank = False
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
+        assert self.lightning_module is not None
+        # Before the first collective that depends on the model (see [Note: ranks that disagree]).
+        check_same_model(self.lightning_module, self.collectives)
         if self.config.stage == 3:
             self._setup_stage3()
         else:
@@ -281,12 +309,27 @@ class ZeroStrategy(ParallelStrategy):
             device=self.root_device,
             offload_optimizer=self.config.offload_optimizer,
             offload_params=self.config.offload_params,
+            check_gather_order=self.config.check_gather_order,
         )
         if on_meta:
             self._engine.materialize_and_shard(_reset_parameters)
         else:
             self._engine.shard()
         self._engine.install_hooks()
+        self._rebuild_weight_averages()
+
+    def _rebuild_weight_averages(self) -> None:
+        """Lightning's StochasticWeightAveraging and EMAWeightAveraging copy the module in their
+        ``setup``, before the strategy shards it (and before configure_model builds it). Their setup
+        runs again on the sharded module, so the averaged copy holds this rank's pieces and is
+        averaged piece by piece (see [Note: a stage-3 parameter outside its gather])."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, _WEIGHT_AVERAGING_CALLBACKS):
+                callback.setup(trainer, module, stage="fit")
 
     @property
     def engine(self) -> Zero3Engine | None:
@@ -295,7 +338,10 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)
+        # configure_optimizers often groups parameters by p.dim() or p.shape: at stage 3 it sees
+        # their true shapes (see [Note: a stage-3 parameter outside its gather]).
+        with self._engine.true_shapes() if self._engine is not None else nullcontext():
+            super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         _check_params_in_one_optimizer(self.optimizers)
         precision = self.precision_plugin
@@ -379,15 +425,17 @@ class ZeroStrategy(ParallelStrategy):
         engine = self._engine
         if engine is not None:
             engine.check_parameters_unchanged()
-        if engine is not None and engine.root_unit is not None and not self._root_held:
-            engine.acquire(engine.root_unit)
+        if engine is not None and not self._root_held:
+            for root in engine.root_units:
+                engine.acquire(root)
             self._root_held = True
 
     def _release_root(self) -> None:
         engine = self._engine
-        if engine is not None and engine.root_unit is not None and self._root_held:
+        if engine is not None and self._root_held:
             self._root_held = False
-            engine.release(engine.root_unit)
+            for root in engine.root_units:
+                engine.release(root)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -581,7 +629,11 @@ class ZeroStrategy(ParallelStrategy):
         path = resolve_checkpoint_path(checkpoint_path)
         if is_sharded_checkpoint(path) or path.is_dir():
             optimizers = self.zero_optimizers if fitting else None
-            meta = load_into(path, module, self._model_pieces(), optimizers, group=None, strict=module.strict_loading)
+            try:
+                meta = load_into(path, module, self._model_pieces(), optimizers, group=None, strict=module.strict_loading)
+            except CheckpointError:
+                self._failed_on_every_rank = True  # load_into's ranks agree on its errors
+                raise
             publish_masters(self._engine, self.zero_optimizers)
             self._checkpoint_applied = True
             checkpoint = dict(meta.lightning)
@@ -590,10 +642,11 @@ class ZeroStrategy(ParallelStrategy):
                 checkpoint["optimizer_states"] = []  # already in place; Lightning only checks the key
         else:
             checkpoint = load_full_checkpoint(path)
-            check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading)
+            pieces = self._model_pieces()
+            check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading, pieces=pieces)
             has_optimizer_state = "optimizer_states" in checkpoint
             if fitting and has_optimizer_state:
-                check_full_optimizer_states(path, checkpoint["optimizer_states"], self.zero_optimizers)
+                check_full_optimizer_states(path, checkpoint["optimizer_states"], self.zero_optimizers, pieces)
             self._checkpoint_applied = False
         checkpoint.setdefault("pytorch-lightning_version", pl.__version__)
         if fitting and not has_optimizer_state:
@@ -670,12 +723,15 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step()
         precision = self.precision_plugin
         restore_fp32 = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
-        if self._interrupted():
+        if self._interrupted() and not self._failed_on_every_rank:
             # After an error (perhaps on one rank only) no collective may run: it could hang.
             if self._engine is not None:
                 self._engine.remove_hooks()
                 self._engine = None
             restore_fp32 = False
+            if self.lightning_module is not None and _has_meta_tensors(self.lightning_module):
+                self._teardown_without_moving_the_module()
+                return
         if self._engine is not None:
             # Lightning hands the module back on the CPU; stage 3 gathers it unit by unit. After
             # -mixed training it is handed back in fp32, from the masters, as Lightning's AMP does.
@@ -690,6 +746,18 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
+
+    def _teardown_without_moving_the_module(self) -> None:
+        """Lightning's teardown but for moving the module to the CPU: a setup that failed before a
+        module built in ``configure_model`` was materialized leaves tensors on the meta device,
+        which have no data to move, and "Cannot copy out of meta tensor" would then be the last
+        error the user sees instead of the one that stopped the setup (as in Lightning's FSDP
+        strategy, which does not move the module either)."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     def _interrupted(self) -> bool:
         module = self.lightning_module
@@ -753,6 +821,10 @@ def _check_params_in_one_optimizer(optimizers: list[Optimizer]) -> None:
                         f" optimizer {index}. ZeRO shards each parameter under one optimizer; give every"
                         " optimizer a disjoint set of parameters."
                     )
+
+
+def _has_meta_tensors(module: Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 def _materialize_meta_buffers(module: Module, device: torch.device) -> None:

@@ -239,13 +239,18 @@ def test_console_command_is_installed() -> None:
     ("arguments", "message"),
     [
         (["nowhere.ckpt", "out.pt"], "No checkpoint at"),
-        (["small.ckpt/.metadata", "out.pt"], "is a file, not a sharded checkpoint directory"),
+        (["small.ckpt/.metadata", "out.pt"], "is a file inside the sharded checkpoint"),
         (["empty", "out.pt"], "not a complete checkpoint"),
+        (["notes.txt", "out.pt"], "notes.txt is not a checkpoint: a sharded checkpoint is a directory"),
+        (["one_file.pt", "out.pt"], "one_file.pt is a single torch file, not a sharded checkpoint directory: there is nothing"
+                                 " to consolidate"),
     ],
 )
 def test_console_command_reports_bad_input_without_a_traceback(exported: Any, arguments: list[str], message: str) -> None:
     directory = exported["directory"]
     (directory / "empty").mkdir(exist_ok=True)
+    (directory / "notes.txt").write_text("not a checkpoint\n")
+    torch.save({"state_dict": {}}, directory / "one_file.pt")
     result = subprocess.run(
         [sys.executable, "-m", "lightning_zero.cli", "consolidate", *[str(directory / a) for a in arguments]],
         capture_output=True, text=True, timeout=120, check=False, cwd=REPO_ROOT,

@@ -32,14 +32,29 @@ def test_bucket_size_must_be_positive(size: int) -> None:
         ({"stage": 2, "unit_modules": ("Block",)}, r"stage 3 only, but stage=2"),
         ({"stage": 3, "prefetch_units": -1}, r"prefetch_units=-1"),
         ({"stage": 3, "param_persistence_threshold": -5}, r"param_persistence_threshold=-5"),
-        ({"stage": 3, "prefetch_bytes": 0}, r"prefetch_bytes=0"),
+        ({"stage": 3, "prefetch_bytes": -1}, r"prefetch_bytes=-1 must be a number of bytes >= 0, e.g. 200_000_000"
+                                              r" \(0 turns prefetch off\), or None"),
+        ({"stage": 3, "prefetch_bytes": 1.5}, r"prefetch_bytes=1.5 must be of type int"),
         ({"stage": 3, "unit_modules": ("",)}, r"unit_modules=\(''"),
+        ({"stage": 3, "unit_modules": 7}, r"unit_modules=7 must be module class names"),
+        ({"stage": 3, "min_unit_numel": 0}, r"min_unit_numel=0 must be a positive number of elements, e.g. 1_000_000"
+                                            r" \(modules of fewer parameter elements join their parent's unit\)"),
         ({"reduce_dtype": "fp8"}, r"reduce_dtype='fp8'"),
     ],
 )
 def test_stage3_and_reduce_settings_are_checked(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ZeroConfig(**kwargs)
+
+
+def test_one_unit_class_name_may_be_given_as_a_string() -> None:
+    assert ZeroConfig(stage=3, unit_modules="Linear").unit_modules == ("Linear",)
+    assert ZeroConfig(stage=3, unit_modules=["Linear", "Block"]).unit_modules == ("Linear", "Block")
+    assert ZeroConfig.from_dict({"stage": 3, "unit_modules": "Block"}).unit_modules == ("Block",)
+
+
+def test_prefetch_bytes_zero_turns_prefetch_off() -> None:
+    assert ZeroConfig(stage=3, prefetch_bytes=0).prefetch_bytes == 0
 
 
 def test_unknown_config_field_is_named() -> None:

@@ -274,8 +274,11 @@ def test_parameter_bytes_are_a_shard_plus_the_gathered_units(world: int) -> None
         bound = stats["shard_bytes"] + stats["root_bytes"] + 3 * stats["largest_unit_bytes"]
         assert stats["peak_param_bytes"] <= bound
         assert stats["gathered_now"] == 0  # nothing stays whole between steps
-        assert stats["summary_total"] == result["numel"]  # ModelSummary's true count
         assert stats["memory"][0].params == stats["shard_bytes"]
+    # Outside a gather a parameter is this rank's piece ([Note: a stage-3 parameter outside its
+    # gather]): ModelSummary counts each rank's elements, and the ranks' counts add up to the model.
+    totals = [per_rank["memory"]["stats"]["summary_total"] for per_rank in outcome(world)]
+    assert sum(totals) == outcome(world)[0]["memory"]["numel"] and len(set(totals)) <= 2
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -11,24 +11,30 @@ from __future__ import annotations
 import logging
 import math
 import os
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from lightning_zero.checkpoint.serialization import TensorRef, save_safetensors_streamed, save_torch_streamed
+from lightning_zero.checkpoint.serialization import (
+    TensorRef,
+    read_safetensors_header,
+    save_safetensors_streamed,
+    save_torch_streamed,
+)
 from lightning_zero.checkpoint.sharded import (
     MODEL_KEY,
     CheckpointError,
     CheckpointMeta,
     from_object_entry,
+    is_sharded_checkpoint,
     optimizer_key,
-    quiet_dcp,
+    read_local,
     read_meta,
     read_metadata,
     resolve_checkpoint_path,
@@ -78,7 +84,7 @@ def consolidate(
         raise ValueError(f"consolidate(dtype={dtype!r}) is not one of {', '.join(map(repr, DTYPES))}.")
     source = resolve_checkpoint_path(checkpoint)
     if not source.is_dir():
-        raise CheckpointError(f"{source} is a file, not a sharded checkpoint directory: it is already consolidated.")
+        raise CheckpointError(_not_a_directory(source))
     metadata = read_metadata(source)
     meta = read_meta(source, metadata)
     target = Path(output)
@@ -92,7 +98,7 @@ def consolidate(
         entries = [v for v in model.values() if isinstance(v, _Entry)]
         specs = {e.key: (e.dtype, e.shape) for e in entries}  # type: ignore[union-attr]
         info = {"format": "pt", "lightning_zero_source": str(source), "global_step": str(meta.lightning.get("global_step"))}
-        save_safetensors_streamed(target, specs, _stream(source, entries, progress, by_key=True), metadata=info)
+        save_safetensors_streamed(target, specs, _stream(source, metadata, entries, progress, by_key=True), metadata=info)
         return target
     structure: dict[str, Any]
     if weights_only or not meta.optimizers:
@@ -108,8 +114,27 @@ def consolidate(
     }
     tensors = {e.source: e for e in model.values() if isinstance(e, _Entry)}
     tensors.update({e.source: e for e in optimizer_entries})
-    save_torch_streamed(target, structure, _stream(source, list(tensors.values()), progress, by_key=False))
+    save_torch_streamed(target, structure, _stream(source, metadata, list(tensors.values()), progress, by_key=False))
     return target
+
+
+def _not_a_directory(path: Path) -> str:
+    """Why a file cannot be consolidated: part of a checkpoint, one file already (torch or
+    safetensors), or no checkpoint at all."""
+    if is_sharded_checkpoint(path.parent):
+        return (f"{path} is a file inside the sharded checkpoint {path.parent}, not the checkpoint: pass the"
+                f" directory {path.parent}.")
+    if zipfile.is_zipfile(path):
+        return (f"{path} is a single torch file, not a sharded checkpoint directory: there is nothing to consolidate."
+                " It loads as it is (torch.load, load_from_checkpoint, trainer.fit(ckpt_path=...)).")
+    try:
+        read_safetensors_header(path)
+    except (ValueError, OSError):
+        pass
+    else:
+        return f"{path} is a safetensors file, not a sharded checkpoint directory: there is nothing to consolidate."
+    return (f"{path} is not a checkpoint: a sharded checkpoint is a directory (with a .metadata file) written by"
+            " trainer.save_checkpoint or ModelCheckpoint under a ZeroStrategy. Pass that directory.")
 
 
 def _model_entries(path: Path, metadata: Metadata, meta: CheckpointMeta, dtype: torch.dtype) -> dict[str, Any]:
@@ -131,7 +156,7 @@ def _model_entries(path: Path, metadata: Metadata, meta: CheckpointMeta, dtype: 
         else:
             raise CheckpointError(f"{path} lists '{key}' in the model but holds no data for it: the checkpoint is damaged.")
     if objects:
-        values = _read_objects(path, [source for _, source in objects])
+        values = _read_objects(path, metadata, [source for _, source in objects])
         for key, source in objects:
             result[key] = values[source]
     return result
@@ -166,25 +191,25 @@ def _optimizer_states(path: Path, metadata: Metadata, meta: CheckpointMeta) -> t
                   for g in saved["param_groups"]]
         states.append({"state": dict(sorted(state.items())), "param_groups": groups})
     if objects:
-        values = _read_objects(path, list(objects))
+        values = _read_objects(path, metadata, list(objects))
         for fqn, (number, param_index, state_key) in objects.items():
             states[number]["state"][param_index][state_key] = values[fqn]
     return states, entries
 
 
-def _read_objects(path: Path, keys: list[str]) -> dict[str, Any]:
-    holder: dict[str, Any] = dict.fromkeys(keys)
-    with quiet_dcp():
-        dcp.load(holder, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    return {key: from_object_entry(value) for key, value in holder.items()}
+def _read_objects(path: Path, metadata: Metadata, keys: list[str]) -> dict[str, Any]:
+    holder = read_local(path, metadata, keys)
+    return {key: from_object_entry(value, path, key) for key, value in holder.items()}
 
 
-def _stream(path: Path, entries: list[_Entry], progress: bool, by_key: bool) -> Iterator[tuple[str, Tensor]]:
+def _stream(path: Path, metadata: Metadata, entries: list[_Entry], progress: bool,
+            by_key: bool) -> Iterator[tuple[str, Tensor]]:
     """Reads the entries in batches of at most the largest tensor's bytes (so small tensors do not
-    each cost a DCP call) and yields each as (output key if ``by_key`` else its source, tensor)."""
+    each cost a DCP call) and yields each as (output key if ``by_key`` else its source, tensor).
+    Each batch's records are verified against their checksums first; the writers are atomic, so a
+    damaged record leaves no output file."""
     budget = max([e.nbytes for e in entries] + [1 << 20])
     total = sum(e.nbytes for e in entries)
-    reader = dcp.FileSystemReader(path)
     bar = _Bar(path, total) if progress else None
     try:
         batch: list[_Entry] = []
@@ -195,7 +220,7 @@ def _stream(path: Path, entries: list[_Entry], progress: bool, by_key: bool) -> 
                 size += entry.nbytes
                 continue
             if batch:
-                loaded = _read_batch(reader, batch)
+                loaded = _read_batch(path, metadata, batch)
                 for item in batch:
                     yield (item.key if by_key else item.source), loaded[item.source].to(item.dtype)
                     if bar is not None:
@@ -207,15 +232,13 @@ def _stream(path: Path, entries: list[_Entry], progress: bool, by_key: bool) -> 
             bar.close()
 
 
-def _read_batch(reader: dcp.FileSystemReader, batch: list[_Entry]) -> dict[str, Tensor]:
+def _read_batch(path: Path, metadata: Metadata, batch: list[_Entry]) -> dict[str, Tensor]:
     """Whole tensors for one batch (DCP fills each from every shard that overlaps it)."""
     targets: dict[str, Tensor] = {}
     for item in batch:
         if item.source not in targets:
             targets[item.source] = torch.empty(item.shape, dtype=item.saved_dtype)
-    with quiet_dcp():
-        dcp.load(targets, storage_reader=reader, no_dist=True)
-    return dict(targets)
+    return read_local(path, metadata, list(targets), targets)
 
 
 class _Bar:

@@ -10,6 +10,8 @@ rows, a partial row, recursively), each itself contiguous in memory, so it is sa
 ``ShardedTensor`` whose local shards are views of the master shard: nothing is copied to save,
 and DCP reads any other layout back by intersecting boxes. That is what makes a checkpoint
 written by 4 ranks at stage 3 load into 2 ranks at stage 2, or into 1 rank, with no conversion.
+``.metadata`` also holds a CRC-32 of every record, verified before anything is loaded (see
+[Note: checkpoint checksums] in checksums.py).
 
 Keys of the DCP state dict:
   ``model.<state-dict key>``                      weights, fp32 master values for trained params;
@@ -57,6 +59,17 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from lightning_zero.checkpoint.checksums import (
+    ChecksummingWriter,
+    CheckpointError,
+    NamingReader,
+    agree,
+    named_errors,
+    reason,
+    under,
+    verify,
+    verify_share,
+)
 from lightning_zero.zero.flat_buffer import Range
 
 log = logging.getLogger(__name__)
@@ -84,10 +97,6 @@ def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as asked; the message names the path, the keys and the fix."""
-
-
 @dataclass
 class CheckpointMeta:
     """What a sharded checkpoint says about itself, beyond tensors (saved as one pickled object)."""
@@ -109,7 +118,7 @@ class CheckpointMeta:
 
     @classmethod
     def from_dict(cls, path: Path, value: Any) -> CheckpointMeta:
-        value = from_object_entry(value)
+        value = from_object_entry(value, path, META_KEY)
         if not isinstance(value, dict) or value.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{path} is a torch.distributed.checkpoint directory but not one written by"
                                   " lightning_zero (no lightning_zero metadata). Load it with torch.distributed.checkpoint.")
@@ -128,12 +137,17 @@ def object_entry(value: Any) -> io.BytesIO:
     return buffer
 
 
-def from_object_entry(value: Any) -> Any:
-    """The object of an :func:`object_entry`, as DCP hands it back (a BytesIO)."""
-    if isinstance(value, io.BytesIO):
-        value.seek(0)
+def from_object_entry(value: Any, path: Path, key: str) -> Any:
+    """The object of an :func:`object_entry`, as DCP hands it back (a BytesIO) from the entry
+    ``key`` of the checkpoint at ``path``."""
+    if not isinstance(value, io.BytesIO):
+        return value
+    value.seek(0)
+    try:
         return torch.load(value, map_location="cpu", weights_only=False)
-    return value
+    except Exception as error:  # noqa: BLE001 - whatever unpickling raises, the record is damaged
+        raise CheckpointError(f"The checkpoint {path} is damaged: its entry '{key}' cannot be unpickled"
+                              f" ({reason(error)}). Load an earlier checkpoint.") from error
 
 
 # ---------------------------------------------------------------------------------------- layout
@@ -225,9 +239,12 @@ def _previous_path(path: Path) -> Path:
     return path.parent / f".{path.name}.previous"
 
 
-def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.ProcessGroup | None = None,
+                 checksums: bool = True) -> None:
     """Writes ``state`` (plain tensors are taken as replicated, ShardedTensors as sharded, other
-    objects are pickled) as a DCP checkpoint at ``path``, atomically (see [Note: atomic save]).
+    objects are pickled) as a DCP checkpoint at ``path``, atomically (see [Note: atomic save]),
+    with a checksum of every record unless ``checksums`` is False (see [Note: checkpoint checksums]
+    in checksums.py).
 
     A collective when a process group is initialized: every rank calls it with its own shards.
     """
@@ -241,7 +258,7 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.Pro
         staging.mkdir(parents=True)
     if distributed:
         dist.barrier(group=group)
-    writer = dcp.FileSystemWriter(staging, sync_files=True)
+    writer = (ChecksummingWriter if checksums else dcp.FileSystemWriter)(staging, sync_files=True)
     with quiet_dcp():
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
     if rank == 0:
@@ -370,17 +387,32 @@ def read_meta(path: Path, metadata: Metadata | None = None) -> CheckpointMeta:
     if not isinstance(metadata.state_dict_metadata.get(META_KEY), BytesStorageMetadata):
         raise CheckpointError(f"{path} is a torch.distributed.checkpoint directory but was not written by"
                               " lightning_zero (it has no 'lightning_zero' entry).")
-    holder: dict[str, Any] = {META_KEY: None}
-    with quiet_dcp():
-        dcp.load(holder, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    holder = read_local(path, metadata, [META_KEY])
     return CheckpointMeta.from_dict(path, holder[META_KEY])
 
 
-def load_sharded(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+def read_local(path: Path, metadata: Metadata, keys: Sequence[str], targets: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Reads the DCP entries ``keys`` (into ``targets`` where given, else as objects) in this process
+    alone, after verifying their checksums; no collective."""
+    holder: dict[str, Any] = targets if targets is not None else dict.fromkeys(keys)
+    message = verify(path, metadata, under(list(keys)))
+    if message is not None:
+        raise CheckpointError(message)
+    with quiet_dcp(), named_errors():
+        dcp.load(holder, storage_reader=NamingReader(path), no_dist=True)
+    return holder
+
+
+def load_sharded(path: Path, metadata: Metadata, state: dict[str, Any], group: dist.ProcessGroup | None = None,
+                 verified: bool = False) -> None:
     """Reads into ``state`` (in place: ShardedTensors' local shards and plain tensors are filled,
-    other entries replaced). A collective when a process group is initialized."""
-    with quiet_dcp():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not is_distributed())
+    other entries replaced), after the ranks verified the checksums of every record it reads
+    unless ``verified`` (so a damaged checkpoint loads nothing). A collective when a process group
+    is initialized."""
+    if not verified:
+        agree(verify_share(path, metadata, under(list(state)), group), group)
+    with quiet_dcp(), named_errors():
+        dcp.load(state, storage_reader=NamingReader(path), process_group=group, no_dist=not is_distributed())
 
 
 def saved_state_keys(metadata: Metadata, prefix: str) -> dict[str, dict[str, Any]]:

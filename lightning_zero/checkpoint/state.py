@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from lightning_zero.checkpoint.checksums import agree, under, verify_share
 from lightning_zero.checkpoint.sharded import (
     META_KEY,
     MODEL_KEY,
@@ -55,7 +56,7 @@ def param_names(module: nn.Module) -> dict[nn.Parameter, str]:
 
 
 def _sharded(piece: ParamPiece, local: Tensor, rank: int, group: dist.ProcessGroup | None) -> Any:
-    return FlatShards(tuple(piece.param.shape), piece.ranges).sharded_tensor(local, rank, group)
+    return FlatShards(piece.shape, piece.ranges).sharded_tensor(local, rank, group)
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -79,7 +80,7 @@ def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.P
         if key in aliases:
             continue
         piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
-        if piece is not None and value.numel() > 0:
+        if piece is not None and piece.numel > 0:
             entries[key] = _sharded(piece, piece.master, rank, group)
         elif rank != 0:
             continue
@@ -107,7 +108,7 @@ def optimizer_entries(
         for key, value in state.items():
             if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == piece.holder.numel():
                 per_element.add(key)
-                if piece.param.numel() > 0:
+                if piece.numel > 0:
                     entry[key] = _sharded(piece, piece.in_holder.slice(value), rank, group)
             elif rank == 0:  # the same on every rank; saved once (see model_entries)
                 entry[key] = value.detach() if isinstance(value, Tensor) else value
@@ -146,7 +147,8 @@ def sharded_state(
     """The DCP state dict of one rank: its model and optimizer entries; rank 0 adds the meta."""
     state: dict[str, Any] = {MODEL_KEY: model}
     for index, (entries, _) in enumerate(optimizers):
-        state[optimizer_key(index)] = entries
+        if entries:  # before the first step an optimizer has no state; DCP would record no key for {}
+            state[optimizer_key(index)] = entries
     if rank_of(group) == 0:
         module_state = module.state_dict(keep_vars=True)
         meta = CheckpointMeta(
@@ -169,16 +171,18 @@ def save_checkpoint(
     engine: Zero3Engine | None = None,
     extra: dict[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
+    checksums: bool = True,
 ) -> None:
     """Saves a ZeRO model (and optimizers) as a sharded checkpoint, without Lightning; ``extra``
-    is kept as the checkpoint's Lightning part (``CheckpointMeta.lightning``). A collective."""
+    is kept as the checkpoint's Lightning part (``CheckpointMeta.lightning``). ``checksums=False``
+    leaves out the records' checksums (to measure their cost). A collective."""
     pieces = model_pieces(engine, optimizers)
     names = param_names(module)
     stage = 3 if engine is not None else max([o.config.stage for o in optimizers] + [1])
     world = dist.get_world_size(group) if is_distributed() else 1
     state = sharded_state(module, model_entries(module, pieces, group),
                           [optimizer_entries(o, names, group) for o in optimizers], dict(extra or {}), world, stage, group)
-    save_sharded(path, state, group)
+    save_sharded(path, state, group, checksums=checksums)
 
 
 def load_checkpoint(
@@ -188,11 +192,13 @@ def load_checkpoint(
     engine: Zero3Engine | None = None,
     group: dist.ProcessGroup | None = None,
     strict: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Loads a sharded checkpoint (any world size and stage) into a ZeRO model and, if given, its
-    optimizers, without Lightning; returns the checkpoint's Lightning part. A collective."""
+    optimizers, without Lightning; returns the checkpoint's Lightning part. ``verify=False`` skips
+    the checksums (to measure their cost). A collective."""
     pieces = model_pieces(engine, optimizers or ())
-    meta = load_into(resolve_checkpoint_path(path), module, pieces, optimizers, group, strict)
+    meta = load_into(resolve_checkpoint_path(path), module, pieces, optimizers, group, strict, verify)
     publish_masters(engine, optimizers or ())
     return meta.lightning
 
@@ -208,27 +214,39 @@ def publish_masters(engine: Zero3Engine | None, optimizers: Sequence[ShardedOpti
 
 
 # ---------------------------------------------------------------------------------------- load
-def check_model_fits(path: Path, metadata: Metadata, meta: CheckpointMeta, module: nn.Module, strict: bool) -> None:
+def check_model_fits(
+    path: Path, metadata: Metadata, meta: CheckpointMeta, module: nn.Module, strict: bool,
+    pieces: Sequence[ParamPiece] = (),
+) -> None:
     """Raises CheckpointError naming every missing, unexpected and mis-shaped key (before anything loads)."""
     prefix = MODEL_KEY + "."
     saved = {k[len(prefix) :]: md.size for k, md in metadata.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     shapes = {key: saved[meta.aliases.get(key, key)] for key in meta.model_keys if meta.aliases.get(key, key) in saved}
-    _check_fits(path, meta.model_keys, shapes, module, strict)
+    _check_fits(path, meta.model_keys, shapes, module, strict, pieces)
+
+
+def true_shapes(pieces: Sequence[ParamPiece]) -> dict[nn.Parameter, tuple[int, ...]]:
+    """The parameters' true shapes: a stage-3 parameter outside a gather shows its 1-d piece
+    ([Note: a stage-3 parameter outside its gather] in zero/stage3.py)."""
+    return {piece.param: piece.shape for piece in pieces}
 
 
 def _check_fits(
-    path: Path, saved_keys: Sequence[str], saved_shapes: Mapping[str, Sequence[int]], module: nn.Module, strict: bool
+    path: Path, saved_keys: Sequence[str], saved_shapes: Mapping[str, Sequence[int]], module: nn.Module, strict: bool,
+    pieces: Sequence[ParamPiece] = (),
 ) -> None:
     """The one comparison of a checkpoint's keys and tensor shapes with the module's state dict."""
     mine = module.state_dict(keep_vars=True)
+    shapes = true_shapes(pieces)
+    mine_shapes = {key: shapes.get(value, tuple(value.shape)) for key, value in mine.items() if isinstance(value, Tensor)}
     keys = set(saved_keys)
     missing = [k for k in mine if k not in keys]
     unexpected = [k for k in saved_keys if k not in mine]
     wrong = {
-        key: (tuple(saved_shapes[key]), tuple(value.shape))
-        for key, value in mine.items()
-        if isinstance(value, Tensor) and key in saved_shapes and tuple(saved_shapes[key]) != tuple(value.shape)
+        key: (tuple(saved_shapes[key]), shape)
+        for key, shape in mine_shapes.items()
+        if key in saved_shapes and tuple(saved_shapes[key]) != shape
     }
     message = describe_mismatch(path, missing, unexpected, wrong, strict)
     if message:
@@ -324,17 +342,28 @@ def load_into(
     optimizers: Sequence[ShardedOptimizer] | None,
     group: dist.ProcessGroup | None,
     strict: bool = True,
+    verify: bool = True,
 ) -> CheckpointMeta:
     """Loads a sharded checkpoint into the module (and, unless ``optimizers`` is None, their
-    states), whatever world size and stage wrote it. Checks everything before reading any tensor,
-    so a checkpoint that does not fit changes nothing. A collective. The caller publishes the
-    loaded masters to the parameters afterwards."""
-    metadata = read_metadata(path)
-    meta = read_meta(path, metadata)
-    check_model_fits(path, metadata, meta, module, strict)
-    names = param_names(module)
-    if optimizers is not None and meta.optimizers:
-        check_optimizers_fit(path, meta, optimizers, names)
+    states), whatever world size and stage wrote it. Checks everything, checksums included, before
+    reading any tensor, so a checkpoint that does not fit or is damaged changes nothing; the ranks
+    agree first, so every rank raises the same CheckpointError. A collective. The caller publishes
+    the loaded masters to the parameters afterwards."""
+    failure: str | None = None
+    try:
+        metadata = read_metadata(path)
+        meta = read_meta(path, metadata)
+        check_model_fits(path, metadata, meta, module, strict, model_pieces)
+        names = param_names(module)
+        loaded = [MODEL_KEY]
+        if optimizers is not None and meta.optimizers:
+            check_optimizers_fit(path, meta, optimizers, names)
+            loaded += [optimizer_key(index) for index in range(len(meta.optimizers))]
+    except CheckpointError as error:
+        failure = str(error)
+    if failure is None and verify:
+        failure = verify_share(path, metadata, under(loaded), group)
+    agree(failure, group)
     rank = rank_of(group)
     saved_model = {k[len(MODEL_KEY) + 1 :] for k in metadata.state_dict_metadata if k.startswith(MODEL_KEY + ".")}
     by_param = {piece.param: piece for piece in model_pieces}
@@ -352,7 +381,7 @@ def load_into(
         if source is None or source not in saved_model:
             continue  # missing, allowed by strict=False
         piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
-        if piece is not None and value.numel() > 0:
+        if piece is not None and piece.numel > 0:
             target: Any = _sharded(piece, piece.master, rank, group)
         elif is_extra_state(key):
             target = None  # DCP puts the saved object here
@@ -368,29 +397,34 @@ def load_into(
     if optimizers is not None and meta.optimizers:
         for index, (optimizer, saved) in enumerate(zip(optimizers, meta.optimizers)):
             load = _OptimizerLoad(optimizer, saved, metadata, index, group)
-            state[optimizer_key(index)] = load.targets
+            if load.targets:  # saved before its first step: no state to read, only hyperparameters
+                state[optimizer_key(index)] = load.targets
             loads.append(load)
     with torch.no_grad():
-        load_sharded(path, state, group)
+        load_sharded(path, metadata, state, group, verified=True)
         if second_reads:
-            load_sharded(path, {MODEL_KEY: second_reads}, group)
+            load_sharded(path, metadata, {MODEL_KEY: second_reads}, group, verified=True)
     for load in loads:
         load.finish()
     for key, source in extra_state:
         owner = module.get_submodule(key[: -len("._extra_state")]) if key.endswith("._extra_state") else module
-        owner.set_extra_state(from_object_entry(model_targets[source]))
+        owner.set_extra_state(from_object_entry(model_targets[source], path, f"{MODEL_KEY}.{source}"))
     return meta
 
 
 # ---------------------------------------------------------------------------------------- full files
-def check_full_state_fits(path: Path, state_dict: Mapping[str, Any], module: nn.Module, strict: bool) -> None:
+def check_full_state_fits(
+    path: Path, state_dict: Mapping[str, Any], module: nn.Module, strict: bool, pieces: Sequence[ParamPiece] = ()
+) -> None:
     """A whole-weights state dict against the module: names every missing, unexpected and
     mis-shaped key before anything is loaded."""
     shapes = {key: value.shape for key, value in state_dict.items() if isinstance(value, Tensor)}
-    _check_fits(path, list(state_dict), shapes, module, strict)
+    _check_fits(path, list(state_dict), shapes, module, strict, pieces)
 
 
-def check_full_optimizer_states(path: Path, states: Any, optimizers: Sequence[ShardedOptimizer]) -> None:
+def check_full_optimizer_states(
+    path: Path, states: Any, optimizers: Sequence[ShardedOptimizer], pieces: Sequence[ParamPiece] = ()
+) -> None:
     """Torch-format optimizer states (a DDP or consolidated checkpoint) against the optimizers:
     group and parameter counts, and each state tensor's shape, before anything is loaded."""
     if not isinstance(states, list) or len(states) != len(optimizers):
@@ -399,16 +433,18 @@ def check_full_optimizer_states(path: Path, states: Any, optimizers: Sequence[Sh
             f"The checkpoint {path} holds {count} optimizer state(s) but configure_optimizers returned"
             f" {len(optimizers)}. Resume with the same optimizers. Nothing was loaded."
         )
+    shapes = true_shapes(pieces)
     for number, (state, optimizer) in enumerate(zip(states, optimizers)):
         try:
             saved_index = _check_full_optimizer_state(state, optimizer._group_params, type(optimizer.optimizer).__name__)
         except ValueError as error:
             raise CheckpointError(f"Optimizer {number} cannot load the state in {path}: {error} Nothing was loaded.") from error
         for param, index in saved_index.items():
+            shape = shapes.get(param, tuple(param.shape))
             for key, value in state["state"].get(index, {}).items():
-                if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) != shape:
                     raise CheckpointError(
                         f"Optimizer {number}'s state '{key}' of parameter {index} has"
-                        f" shape {tuple(value.shape)} in {path} but the parameter has shape {tuple(param.shape)}: the"
+                        f" shape {tuple(value.shape)} in {path} but the parameter has shape {shape}: the"
                         " state comes from a different model. Nothing was loaded."
                     )

@@ -7,8 +7,9 @@ wrap the object to count exactly what is sent (:class:`CountingCollectives`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,12 @@ class Collectives:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
+        # Agreement exchanges (see [Note: ranks that disagree] in consistency.py) run on CPU tensors:
+        # over a gloo group beside NCCL, so that they never wait for the device.
+        self._control_group = group
+        if "gloo" not in self.backend and self.world_size > 1:
+            ranks = dist.get_process_group_ranks(group) if group is not None else None
+            self._control_group = dist.new_group(ranks=ranks, backend="gloo")
 
     def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
         """Sums ``input`` (shape [world * n]) over ranks; rank r receives elements [r*n, (r+1)*n)."""
@@ -74,6 +81,24 @@ class Collectives:
         if self.world_size > 1:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank) if self.group else src_rank,
                            group=self.group)
+
+    def agree(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same count on each), in rank order: a small blocking exchange
+        that tells ranks what the others are about to do."""
+        mine = torch.tensor(list(values), dtype=torch.int64)
+        if self.world_size == 1:
+            return [mine.tolist()]
+        every = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
+        _all_gather_single(every, mine, group=self._control_group)
+        return every.view(self.world_size, -1).tolist()
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (blocking)."""
+        if self.world_size == 1:
+            return [obj]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, obj, group=self._control_group)
+        return every
 
 
 @dataclass(frozen=True)
@@ -121,6 +146,14 @@ class CountingCollectives:
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> None:
         self.calls.append(CollectiveCall("broadcast", tensor.numel(), tensor.dtype))
         self.inner.broadcast(tensor, src_rank)
+
+    def agree(self, values: Sequence[int]) -> list[list[int]]:
+        self.calls.append(CollectiveCall("agree", len(values), torch.int64))
+        return self.inner.agree(values)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        self.calls.append(CollectiveCall("gather_objects", 0, torch.uint8))
+        return self.inner.gather_objects(obj)
 
     def volume(self, op: str) -> int:
         """Elements each rank sends for ``op`` under ring algorithms: numel * (N - 1) / N."""

@@ -21,6 +21,8 @@ steps and keys its state by these views, so it keeps per-parameter state as torc
 
 from __future__ import annotations
 
+import math
+
 import enum
 from dataclasses import dataclass
 
@@ -60,16 +62,39 @@ class ParamPiece:
     ranges: tuple[Range, ...]  # rank r holds ranges[r] of the flattened parameter (maybe empty)
     holder: Tensor  # the 1-d master tensor the wrapped optimizer steps and keys its state by
     in_holder: Range  # where this rank's range lies inside ``holder`` and its per-element state
+    param_shape: tuple[int, ...] | None = None  # when ``param`` does not show its true shape (stage 3)
 
     @property
     def master(self) -> Tensor:
         return self.in_holder.slice(self.holder)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's true shape."""
+        return tuple(self.param.shape) if self.param_shape is None else self.param_shape
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
     """The dtype of a parameter's master, gradient reduction and optimizer state: fp32, or the
     parameter's own dtype when it is wider (float64 must not be rounded through fp32)."""
     return torch.promote_types(param_dtype, torch.float32)
+
+
+def reduce_dtype_for(dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
+    """What gradients of ``dtype`` parameters are accumulated and reduced in: the configured
+    ``reduce_dtype``, except for parameters wider than fp32, which keep their own (see master_dtype)."""
+    wide = master_dtype(dtype)
+    return wide if wide != torch.float32 else reduce_dtype
+
+
+def held_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a parameter is held in: the precision's ``param_dtype``, except for parameters
+    wider than 32 bits, which keep theirs (a float64 scale stays float64 under bf16-mixed)."""
+    return dtype if param_dtype is None or dtype.itemsize > 4 else param_dtype
 
 
 @dataclass(frozen=True)

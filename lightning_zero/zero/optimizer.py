@@ -50,9 +50,10 @@ from lightning_zero.zero.flat_buffer import (
     Bucket,
     FlatParamBuffer,
     GradState,
+    held_dtype,
     ParamPiece,
     ParamSlot,
-    master_dtype,
+    reduce_dtype_for,
 )
 
 # Optimizers whose update of one element depends only on that element's gradient and state.
@@ -301,6 +302,10 @@ class ShardedOptimizer(Optimizer):
         with torch.profiler.record_function("zero::cpu_adam_step"):
             for group, master in fused:
                 self._cpu_adam_step(group, master, coefficient)
+        # The fused pass is the user's optimizer stepping, without its step() when every shard is
+        # fused; an LR scheduler learns of a step only through the flag its wrapper of step() sets,
+        # and would otherwise warn that it was stepped first.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _fused_cpu_masters(self, trained: list[list[Tensor]]) -> list[tuple[dict[str, Any], Tensor]]:
         """(param group, master) pairs of ``trained`` the C++ CPU Adam steps: offloaded fp32
@@ -547,8 +552,8 @@ class ZeroOptimizer(ShardedOptimizer):
                     rank=self.collectives.rank,
                     keep_grad_buffers=self.config.stage == 1,
                     device=device,
-                    param_dtype=self.param_dtype,
-                    grad_dtype=_reduce_dtype(dtype, self.config),
+                    param_dtype=held_dtype(dtype, self.param_dtype),
+                    grad_dtype=reduce_dtype_for(dtype, self.config.reduce_torch_dtype),
                     offload=self.config.offload_optimizer,
                 )
                 for dtype, entries in by_dtype.items()
@@ -808,13 +813,6 @@ def _is_per_element(pieces: Sequence[ParamPiece], states: Sequence[Mapping[str, 
 def _offset_in(view: Tensor, base: Tensor) -> int:
     """Where the 1-d ``view`` starts inside ``base``, the tensor it is a slice of."""
     return view.storage_offset() - base.storage_offset()
-
-
-def _reduce_dtype(param_dtype: torch.dtype, config: ZeroConfig) -> torch.dtype:
-    """What gradients of ``param_dtype`` parameters are accumulated and reduced in: the configured
-    reduce dtype, except for parameters wider than fp32, which keep their own (see master_dtype)."""
-    wide = master_dtype(param_dtype)
-    return wide if wide != torch.float32 else config.reduce_torch_dtype
 
 
 def _check_full_optimizer_state(

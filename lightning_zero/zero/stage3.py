@@ -5,9 +5,10 @@ Each parameter is split into N equal pieces (padded): rank r keeps piece r. A *u
 subtree, e.g. one transformer block) is the unit of communication: its rank-local shard is the
 concatenation of its parameters' pieces [S], one all-gather fills a rank-major buffer [N, S] that
 is copied out into the unit's full buffer [sum of padded numels], of which every parameter is a
-view. Freeing resizes that buffer's storage to zero: the parameters keep their shapes (so counts
-stay true) and the tensors autograd saved stay valid, because re-gathering fills the same
-storage (under ``_unsafe_preserve_version_counter``, as FSDP2 does).
+view while the unit is gathered. Freeing resizes that buffer's storage to zero: the tensors autograd
+saved stay valid, because re-gathering fills the same storage (under
+``_unsafe_preserve_version_counter``, as FSDP2 does), and the parameters are re-pointed at their
+pieces (see [Note: a stage-3 parameter outside its gather]).
 
 Gradients go the other way: each parameter's gradient is added into a rank-major buffer [N, S];
 when all of a unit's gradients of this backward have arrived, one reduce-scatter leaves this
@@ -20,6 +21,22 @@ re-gathers the unit when backward reaches it. Backward: once every parameter of 
 gradient, the unit is reduced and freed. Parameters not under any unit form the root unit, held
 for the whole step (and its backward) by the strategy. A module that uses a parameter of another
 unit (tied weights) acquires that unit around its own forward and backward as well.
+
+[Note: a stage-3 parameter outside its gather]
+While its unit is gathered a parameter has its true shape and value. Otherwise it is this rank's
+piece of it: a 1-d tensor of ``own_numel`` elements (the flattened parameter's elements
+``[rank * shard_numel, ...)``), a view of the unit's shard, on the shard's device. It never shows
+freed memory, so reading it anywhere is safe (a norm, ``deepcopy``, ``.detach().clone()``), and
+elementwise code works piece by piece on every rank: Lightning's StochasticWeightAveraging and
+EMAWeightAveraging average each rank's pieces, so the averaged copy is sharded like the model.
+``numel()`` and ``shape`` outside a gather are the piece's (Lightning's ModelSummary counts this
+rank's elements); ``gathered_params()`` gives every parameter whole.
+
+Writes are kept, in either state: an in-place write through the parameter (``copy_``, ``lerp_``,
+``mul_`` under no_grad, also on ``.detach()``) bumps its version counter, and the engine takes
+the written values into the shard and the fp32 master the next time it frees the unit, steps,
+saves or hands the module back (``absorb_writes``). Writes through ``.data`` bypass the counter
+and reach the shard only (at fp32 without offload the shard is the master, so they are kept too).
 """
 
 from __future__ import annotations
@@ -40,8 +57,18 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
-from lightning_zero.zero.flat_buffer import Range, _round_up
+from lightning_zero.zero.consistency import RanksDisagreeError
+from lightning_zero.zero.flat_buffer import Range, _round_up, held_dtype, master_dtype, reduce_dtype_for
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, SyncState
+
+
+class _GatherFor(enum.Enum):
+    """Why a unit is gathered, told to the other ranks with the unit (for the error when they disagree)."""
+
+    FORWARD = 0
+    BACKWARD = 1
+    PREFETCH = 2
+    REFRESH = 3
 
 
 class UnitState(enum.Enum):
@@ -59,15 +86,29 @@ class ShardedParam:
     param: nn.Parameter
     name: str
     index: int  # among all parameters of the engine
+    shape: torch.Size  # the parameter's true shape (outside a gather it shows its 1-d piece)
     numel: int
     shard_numel: int  # elements of each rank's piece (padded)
     full_range: Range  # "full" index space: the padded parameter inside the unit's full buffer
     shard_range: Range  # "shard" index space: this rank's piece inside the unit's shard
     unit: ShardedUnit
+    # param._version when the engine last knew the parameter's contents: a larger one means user
+    # code wrote the parameter in place (see [Note: a stage-3 parameter outside its gather]).
+    seen_version: int = 0
 
     @property
     def shard(self) -> Tensor:
         return self.shard_range.slice(self.unit.shard)
+
+    @property
+    def own_numel(self) -> int:
+        """Elements of the parameter in this rank's piece (the padding is nobody's)."""
+        return max(0, min(self.shard_numel, self.numel - self.unit.rank * self.shard_numel))
+
+    @property
+    def local_view(self) -> Tensor:
+        """What the parameter shows while its unit is sharded: this rank's piece, 1-d, unpadded."""
+        return self.shard[: self.own_numel]
 
     def piece_ranges(self) -> tuple[Range, ...]:
         """Rank r's piece in the flattened parameter (the padding past ``numel`` belongs to nobody)."""
@@ -79,7 +120,8 @@ class ShardedParam:
     def piece(self, holder: Tensor) -> ParamPiece:
         """This parameter's master piece described for checkpoints; ``holder`` is its master tensor."""
         ranges = self.piece_ranges()
-        return ParamPiece(self.param, self.name, ranges, holder, Range(0, ranges[self.unit.rank].size))
+        return ParamPiece(self.param, self.name, ranges, holder, Range(0, ranges[self.unit.rank].size),
+                          param_shape=tuple(self.shape))
 
     @property
     def master(self) -> Tensor:
@@ -88,6 +130,11 @@ class ShardedParam:
     @property
     def master_grad(self) -> Tensor:
         return self.shard_range.slice(self.unit.master_grad)
+
+
+def _unit_name(base: str, dtype: torch.dtype, first: torch.dtype | None) -> str:
+    """A module's unit of its main dtype is named after the module; the others add their dtype."""
+    return base if dtype == first else f"{base}[{str(dtype).replace('torch.', '')}]"
 
 
 def _in_backward() -> bool:
@@ -122,6 +169,8 @@ class ShardedUnit:
         offloaded: bool = False,
     ) -> None:
         self.name = name
+        self.number = -1  # position among the engine's units (set by the engine)
+        self.prefix: str | None = None  # the unit module's name in the model ("" the root; None: persistent)
         self.device = device
         self.module = module
         self.world_size = world_size
@@ -135,7 +184,7 @@ class ShardedUnit:
             shard_numel = _round_up(param.numel(), world_size) // world_size
             self.params.append(
                 ShardedParam(
-                    param, param_name, first_index + position, param.numel(), shard_numel,
+                    param, param_name, first_index + position, param.shape, param.numel(), shard_numel,
                     Range(full_offset, full_offset + shard_numel * world_size),
                     Range(shard_offset, shard_offset + shard_numel), self,
                 )
@@ -147,13 +196,15 @@ class ShardedUnit:
         shard_device = shard_device or device
         self.shard = _zeros(shard_offset, param_dtype, shard_device, pin)
         # fp32 parameters are their own master (when both live on one device): no second copy.
-        same = param_dtype == torch.float32 and master_device == shard_device
-        self.master = self.shard if same else _zeros(shard_offset, torch.float32, master_device, pin)
-        self.master_grad = _zeros(shard_offset, torch.float32, master_device, pin)
+        # fp32 masters, or the parameters' own dtype where it is wider (float64 keeps its precision)
+        self.master_dtype = master_dtype(param_dtype)
+        same = param_dtype == self.master_dtype and master_device == shard_device
+        self.master = self.shard if same else _zeros(shard_offset, self.master_dtype, master_device, pin)
+        self.master_grad = _zeros(shard_offset, self.master_dtype, master_device, pin)
         # Offloaded, low-precision: the CPU step writes the rounded pieces here (the shard itself
         # when it lives on the CPU too), and they are copied to the device shard from here.
         self.staging: Tensor | None = None
-        if offloaded and param_dtype != torch.float32:
+        if offloaded and param_dtype != self.master_dtype:
             self.staging = self.shard if shard_device.type == "cpu" else _zeros(shard_offset, param_dtype, CPU, pin)
         # The full buffer exists from the start with its final size but no storage: parameters can
         # be views of it before any unit is allocated, so the model is never whole.
@@ -185,24 +236,24 @@ class ShardedUnit:
         with torch.no_grad():
             for sp in self.params:
                 values = sp.param.detach().reshape(-1)
-                padded = torch.zeros(sp.full_range.size, dtype=torch.float32, device=self.device)
+                padded = torch.zeros(sp.full_range.size, dtype=self.master_dtype, device=self.device)
                 padded[: sp.numel].copy_(values)
                 piece = padded[self.rank * sp.shard_numel : (self.rank + 1) * sp.shard_numel]
                 sp.shard.copy_(piece)
                 if self.master is not self.shard:
                     sp.master.copy_(piece)
                 sp.full_range.slice(self.full).copy_(padded)
-            for sp in self.params:
-                sp.param.data = sp.full_range.slice(self.full)[: sp.numel].view_as(sp.param)
+            self._point_params_at_full()
+            self._forget_writes()
 
     @torch.no_grad()
     def gather_master_values(self, collectives: Collectives | CountingCollectives) -> dict[ShardedParam, Tensor]:
         """Every parameter's whole fp32 value from the master pieces (a collective)."""
-        out = torch.empty(self.world_size * self.shard_numel, dtype=torch.float32, device=self.device)
+        out = torch.empty(self.world_size * self.shard_numel, dtype=self.master_dtype, device=self.device)
         collectives.all_gather(out, self.master.to(self.device)).wait()
         by_rank = out.view(self.world_size, self.shard_numel)
         return {
-            sp: by_rank[:, sp.shard_range.start : sp.shard_range.end].reshape(-1)[: sp.numel].view(sp.param.shape)
+            sp: by_rank[:, sp.shard_range.start : sp.shard_range.end].reshape(-1)[: sp.numel].view(sp.shape)
             for sp in self.params
         }
 
@@ -221,9 +272,57 @@ class ShardedUnit:
         """Gives the full buffer its storage (contents undefined): for initializing in place."""
         self._resize_full(self.full.numel())
         self.state = UnitState.GATHERED
+        self._point_params_at_full()
 
     def view_of(self, sp: ShardedParam) -> Tensor:
-        return sp.full_range.slice(self.full)[: sp.numel].view(sp.param.shape)
+        return sp.full_range.slice(self.full)[: sp.numel].view(sp.shape)
+
+    def _point_params_at_full(self) -> None:
+        for sp in self.params:
+            if not sp.param.is_meta:  # replaced by a view of the buffer instead (_replace_meta_params)
+                sp.param.data = self.view_of(sp)
+
+    def _point_params_at_shard(self) -> None:
+        for sp in self.params:
+            if not sp.param.is_meta:
+                sp.param.data = sp.local_view
+
+    def _forget_writes(self) -> None:
+        for sp in self.params:
+            sp.seen_version = sp.param._version
+
+    @torch.no_grad()
+    def absorb_writes(self) -> None:
+        """Takes values user code wrote into parameters in place into the shard and the master
+        (see [Note: a stage-3 parameter outside its gather])."""
+        for sp in self.params:
+            if sp.param._version == sp.seen_version:
+                continue
+            if self.state is UnitState.GATHERED:
+                piece = sp.full_range.slice(self.full).view(self.world_size, sp.shard_numel)[self.rank]
+                sp.shard.copy_(piece)
+                if self.master is not self.shard:
+                    sp.master.copy_(piece)
+            elif self.master is not self.shard:  # the piece itself was written: it is a view of the shard
+                sp.master.copy_(sp.shard)
+            sp.seen_version = sp.param._version
+
+    @torch.no_grad()
+    def absorb_data_writes(self) -> None:
+        """``absorb_writes`` for writes through ``.data`` too, which no version counter sees
+        (EMAWeightAveraging swaps weights that way): where the shard differs from the rounded
+        master, the shard was written and wins. A pass over the shard: for saves and teardown."""
+        self.absorb_writes()
+        if self.master is self.shard:
+            return  # the shard is the master: nothing to keep in step
+        if self.state is UnitState.GATHERED:
+            self.write_back_changed()
+            return
+        rounded = self.master.to(self.shard.device, self.param_dtype)
+        changed = self.shard != rounded
+        if bool(changed.any()):
+            written = self.shard.to(self.master.device, self.master.dtype)
+            self.master.copy_(torch.where(changed.to(self.master.device), written, self.master))
 
     # ------------------------------------------------------------------ gather / free
     def start_gather(self, collectives: Collectives | CountingCollectives) -> None:
@@ -254,12 +353,15 @@ class ShardedUnit:
         self._gather_out = None
         self._gather_handle = None
         self.state = UnitState.GATHERED
+        self._point_params_at_full()
 
     def free(self) -> None:
         if self.persistent or self.state is UnitState.SHARDED:
             return
         if self.state is UnitState.GATHERING:
             self.finish_gather()
+        self.absorb_writes()
+        self._point_params_at_shard()
         self._resize_full(0)
         self.state = UnitState.SHARDED
 
@@ -346,8 +448,10 @@ class Zero3Engine:
         device: torch.device,
         offload_optimizer: CPUOffloadPolicy | None = None,
         offload_params: CPUOffloadPolicy | None = None,
+        check_gather_order: bool = True,
     ) -> None:
         self.module = module
+        self.check_gather_order = check_gather_order
         self.offload_optimizer = offload_optimizer
         self.offload_params = offload_params
         self.collectives = collectives
@@ -376,9 +480,15 @@ class Zero3Engine:
         self._check_dtypes(module, param_dtype)
         self._init_units(module, unit_classes, min_unit_numel, persistence_threshold, param_dtype, grad_dtype)
         self._replace_meta_params()
-        self.root_unit = next((u for u in self.units if u.module is module), None)
+        # Parameters outside every other unit (one unit per dtype, see [Note: one unit per dtype]).
+        self.root_units = [u for u in self.units if u.module is module]
         self._registrations: list[tuple[str, nn.Module, str, nn.Parameter]] = []
         self.record_registrations()
+
+    @property
+    def root_unit(self) -> ShardedUnit | None:
+        """The root unit of the parameters' main dtype (the only one when they have one dtype)."""
+        return self.root_units[0] if self.root_units else None
 
     def record_registrations(self) -> None:
         """Remembers which parameter object each module holds, to detect replacements later."""
@@ -392,15 +502,9 @@ class Zero3Engine:
     # ------------------------------------------------------------------ set-up
     @staticmethod
     def _check_dtypes(module: nn.Module, param_dtype: torch.dtype | None) -> None:
-        dtypes = {p.dtype for p in module.parameters()}
         non_float = [n for n, p in module.named_parameters() if not p.is_floating_point()]
         if non_float:
             raise ValueError(f"ZeRO-3 shards floating-point parameters only; these are not: {non_float[:5]}.")
-        if param_dtype is None and len(dtypes) > 1:
-            raise ValueError(
-                f"ZeRO-3 needs the module's parameters in one dtype, found {sorted(map(str, dtypes))}; cast the"
-                " module (e.g. module.float()) or choose a precision, which casts them."
-            )
 
     def _init_units(
         self,
@@ -420,29 +524,49 @@ class Zero3Engine:
                 if param not in owner_of:
                     owner_of[param] = (unit_prefix, unit_modules[unit_prefix])
         names = {p: n for n, p in module.named_parameters()}
-        groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
-        persistent: list[tuple[str, nn.Parameter]] = []
+        # [Note: one unit per dtype] A unit's buffers have one dtype, so a module whose parameters
+        # have several (fp32 norms beside bf16 weights, a float64 scale) gets one unit per dtype,
+        # gathered and freed together by the module's hooks. A precision's param_dtype applies to
+        # parameters of up to 32 bits; wider ones keep their dtype, with a master of their own dtype.
+        groups: dict[tuple[str, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
+        persistent: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for param, (unit_prefix, _) in owner_of.items():
             entry = (names[param], param)
+            dtype = held_dtype(param.dtype, param_dtype)
             if param.numel() < persistence_threshold:
-                persistent.append(entry)
+                persistent.setdefault(dtype, []).append(entry)
             else:
-                groups.setdefault(unit_prefix, []).append(entry)
-        dtype = param_dtype or next(module.parameters()).dtype
+                groups.setdefault((unit_prefix, dtype), []).append(entry)
         world, rank = self.collectives.world_size, self.collectives.rank
-        total = sum(p.numel() for entries in groups.values() for _, p in entries) + sum(p.numel() for _, p in persistent)
+        total = sum(p.numel() for entries in groups.values() for _, p in entries)
+        total += sum(p.numel() for entries in persistent.values() for _, p in entries)
         placement = MasterPlacement(self.offload_optimizer, self.device, total // world)
         shard_device = CPU if self.offload_params is not None else self.device
         pin = any(policy is not None and policy.pin_memory for policy in (self.offload_optimizer, self.offload_params))
+        # the unit of a module's main dtype (the most elements) is named after the module
+        main_dtype: dict[str, tuple[int, torch.dtype]] = {}
+        for (prefix, dtype), entries in groups.items():
+            size = sum(p.numel() for _, p in entries)
+            if prefix not in main_dtype or size > main_dtype[prefix][0]:
+                main_dtype[prefix] = (size, dtype)
+        first_dtype = {prefix: dtype for prefix, (_, dtype) in main_dtype.items()}
         index = 0
-        named_groups = [(prefix or "<root>", unit_modules[prefix], entries, False) for prefix, entries in groups.items()]
-        if persistent:
-            named_groups.append(("<persistent>", None, persistent, True))
-        for name, unit_module, entries, is_persistent in named_groups:
+        named_groups = [
+            (prefix, _unit_name(prefix or "<root>", dtype, first_dtype[prefix]), unit_modules[prefix], dtype, entries,
+             False)
+            for (prefix, dtype), entries in groups.items()
+        ]
+        first_persistent = next(iter(persistent), None)
+        named_groups += [(None, _unit_name("<persistent>", dtype, first_persistent), None, dtype, entries, True)
+                         for dtype, entries in persistent.items()]
+        for prefix, name, unit_module, dtype, entries, is_persistent in named_groups:
             master_device = placement.place(sum(p.numel() for _, p in entries) // world)
-            unit = ShardedUnit(name, unit_module, entries, index, world, rank, self.device, dtype, grad_dtype,
-                               persistent=is_persistent, master_device=master_device, shard_device=shard_device,
-                               pin=pin, offloaded=self.offload_optimizer is not None and master_device == CPU)
+            unit = ShardedUnit(name, unit_module, entries, index, world, rank, self.device, dtype,
+                               reduce_dtype_for(dtype, grad_dtype), persistent=is_persistent,
+                               master_device=master_device, shard_device=shard_device, pin=pin,
+                               offloaded=self.offload_optimizer is not None and master_device == CPU)
+            unit.prefix = prefix
+            unit.number = len(self.units)
             self.units.append(unit)
             index += len(entries)
         for unit in self.units:
@@ -510,19 +634,31 @@ class Zero3Engine:
                     self._track_memory()
 
     def install_hooks(self) -> None:
+        by_module: dict[nn.Module, list[ShardedUnit]] = {}
         for unit in self.units:
-            if unit.module is not None and unit is not self.root_unit:
-                self._hook_handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
-                self._hook_handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            if unit.module is not None and unit not in self.root_units:
+                by_module.setdefault(unit.module, []).append(unit)
+        for unit_module, units in by_module.items():
+            self._hook_handles.append(unit_module.register_forward_pre_hook(self._make_pre_forward(units)))
+            self._hook_handles.append(unit_module.register_forward_hook(self._make_post_forward(units)))
+        # The strategy holds the root unit through each *_step; these gather it for a forward
+        # anywhere else (a callback calling pl_module(x), Hugging Face generate()). Every module
+        # outside the other units gets them: its forward may read a root parameter of a child
+        # without calling the child (MultiheadAttention reads out_proj.weight).
+        for root in self.root_units:
+            for prefix, submodule in self.module.named_modules():
+                if root in self._enclosing_units(prefix):
+                    self._hook_handles.append(submodule.register_forward_pre_hook(self._make_root_pre_forward(root)))
+                    self._hook_handles.append(submodule.register_forward_hook(self._make_root_post_forward(root)))
         # Modules that use a parameter owned by another unit (tied weights) hold that unit too.
         for prefix, submodule in self.module.named_modules():
-            foreign = {self.sharded_params[p].unit for p in submodule.parameters(recurse=False)
-                       if p in self.sharded_params} - {self._enclosing_unit(prefix)}
-            for unit in foreign:
-                if unit.persistent or unit is self.root_unit:
-                    continue
-                self._hook_handles.append(submodule.register_forward_pre_hook(self._make_pre_forward(unit, False)))
-                self._hook_handles.append(submodule.register_forward_hook(self._make_post_forward(unit)))
+            enclosing = self._enclosing_units(prefix)
+            foreign = [unit for unit in dict.fromkeys(self.sharded_params[p].unit for p in submodule.parameters(recurse=False)
+                                                      if p in self.sharded_params)
+                       if unit not in enclosing and not unit.persistent and unit not in self.root_units]
+            if foreign:
+                self._hook_handles.append(submodule.register_forward_pre_hook(self._make_pre_forward(foreign, False)))
+                self._hook_handles.append(submodule.register_forward_hook(self._make_post_forward(foreign)))
         for unit in self.units:
             unit.trainable_count = sum(1 for sp in unit.params if sp.param.requires_grad)
         # Reverse registration order is backward order; persistent parameters (spread over the
@@ -534,11 +670,11 @@ class Zero3Engine:
             if sp.param.requires_grad:
                 self._hook_handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def _enclosing_unit(self, prefix: str) -> ShardedUnit | None:
-        by_prefix = {("" if unit is self.root_unit else unit.name): unit for unit in self.units if unit.module is not None}
-        if "" not in by_prefix:
-            by_prefix[""] = None  # type: ignore[assignment]  # no root unit: the root encloses nothing
-        return by_prefix[_innermost_prefix(prefix, by_prefix)]
+    def _enclosing_units(self, prefix: str) -> list[ShardedUnit]:
+        """The units of the innermost unit module containing the module at ``prefix``."""
+        prefixes = {unit.prefix for unit in self.units if unit.module is not None} | {""}
+        inner = _innermost_prefix(prefix, prefixes)  # type: ignore[arg-type]
+        return [unit for unit in self.units if unit.module is not None and unit.prefix == inner]
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -557,42 +693,70 @@ class Zero3Engine:
                     " `with trainer.strategy.gathered_params():` (e.g. param.copy_(new_value))."
                 )
 
-    def _make_pre_forward(self, unit: ShardedUnit, prefetch: bool = True) -> Callable[..., None]:
+    def _make_pre_forward(self, units: Sequence[ShardedUnit], prefetch: bool = True) -> Callable[..., None]:
         def pre_forward(module: nn.Module, args: Any) -> None:
             if _in_backward():
                 # Activation checkpointing recomputes forward inside backward (and may stop it
                 # early, so no post-hook runs): hold the unit for backward, not by refcount.
-                self._pre_backward(unit) if prefetch else self._hold_for_backward(unit)
+                for unit in units:
+                    self._pre_backward(unit) if prefetch else self._hold_for_backward(unit)
                 return
             if torch.is_grad_enabled():
                 self._forward_calls += 1
                 self._call_stack.append(self._forward_calls)
                 if self._recording:
                     self._forward_tail_call = self._forward_calls
-            self.acquire(unit, order=self._forward_order if prefetch else None)
+            for unit in units:
+                self.acquire(unit, order=self._forward_order if prefetch else None)
 
         return pre_forward
 
-    def _make_post_forward(self, unit: ShardedUnit) -> Callable[..., Any]:
+    def _make_post_forward(self, units: Sequence[ShardedUnit]) -> Callable[..., Any]:
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
             if _in_backward():
                 return output
             call = self._call_stack.pop() if torch.is_grad_enabled() and self._call_stack else None
-            if (call is not None and not self._recording and call == self._forward_tail_call
-                    and unit.refcount == 1 and unit not in self._backward_held):
-                # The last unit of forward is the first of backward: keep it rather than free and
-                # re-gather it at once (the hold passes to backward).
-                self._backward_held.add(unit)
+            tensors = ([t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+                       if torch.is_grad_enabled() else [])
+            for unit in units:
+                if (call is not None and not self._recording and call == self._forward_tail_call
+                        and unit.refcount == 1 and unit not in self._backward_held):
+                    # The last unit of forward is the first of backward: keep it rather than free
+                    # and re-gather it at once (the hold passes to backward).
+                    self._backward_held.add(unit)
+                else:
+                    self.release(unit)
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads, unit=unit: self._pre_backward(unit), mode="any"
+                    )
+                    if unit.trainable_count == 0:
+                        self._release_after_input_grads(unit, args)
+            return output
+
+        return post_forward
+
+    def _make_root_pre_forward(self, root: ShardedUnit) -> Callable[..., None]:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            if _in_backward():
+                self._hold_for_backward(root)
             else:
-                self.release(unit)
-            if torch.is_grad_enabled():
+                self.acquire(root)  # only counts while the strategy holds it for a step
+
+        return pre_forward
+
+    def _make_root_post_forward(self, root: ShardedUnit) -> Callable[..., Any]:
+        def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+            if _in_backward():
+                return output
+            self.release(root)
+            if root.refcount == 0 and torch.is_grad_enabled():
+                # Nobody holds it for a backward of this forward: gather it again when one comes.
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(
-                        tensors, lambda grads: self._pre_backward(unit), mode="any"
+                        tensors, lambda grads: self._pre_backward(root), mode="any"
                     )
-                if tensors and unit.trainable_count == 0:
-                    self._release_after_input_grads(unit, args)
             return output
 
         return post_forward
@@ -646,7 +810,7 @@ class Zero3Engine:
     def _gather(self, unit: ShardedUnit, order: list[ShardedUnit] | None) -> None:
         if order is not None and self._recording and unit not in order:
             order.append(unit)
-        unit.start_gather(self.collectives)
+        self._start_gather(unit, _GatherFor.BACKWARD if _in_backward() else _GatherFor.FORWARD)
         if order is not None:
             self._prefetch_after(unit, order)
         unit.finish_gather()
@@ -664,8 +828,30 @@ class Zero3Engine:
                 budget -= candidate.full_bytes
             elif ahead >= self.prefetch_units:
                 break
-            candidate.start_gather(self.collectives)
+            self._start_gather(candidate, _GatherFor.PREFETCH)
             ahead += 1
+
+    def _start_gather(self, unit: ShardedUnit, purpose: _GatherFor) -> None:
+        """Launches a unit's all-gather, after checking that every rank gathers the same unit
+        (see [Note: ranks that disagree] in consistency.py)."""
+        if unit.state is not UnitState.SHARDED:
+            return
+        if self.check_gather_order and self.collectives.world_size > 1:
+            every = self.collectives.agree([unit.number, purpose.value])
+            if any(row[0] != unit.number for row in every):
+                described = ", ".join(
+                    f"rank {rank} gathers '{self.units[number].name}' ({_GatherFor(code).name.lower()})"
+                    for rank, (number, code) in enumerate(every)
+                )
+                raise RanksDisagreeError(
+                    f"ZeRO-3 ranks disagree on which unit to gather next: {described}. Each gather is a collective"
+                    " every rank must join, so every rank must run the same units in the same order. Code that"
+                    " differs between ranks (a rank-dependent branch, a data-dependent number of layers, a forward"
+                    " called on some ranks only) must run the same units everywhere: keep such layers inside a"
+                    " unit every rank runs (e.g. leave them out of unit_modules so they join their parent's unit),"
+                    " or make the decision the same on every rank."
+                )
+        unit.start_gather(self.collectives)
 
     def _track_memory(self) -> None:
         live = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
@@ -778,24 +964,25 @@ class Zero3Engine:
             unit.finish_gather()  # a prefetch still in flight carries the old values: redo it
             if unit.state is UnitState.GATHERED:
                 unit.state = UnitState.SHARDED  # the storage stays; only its contents are refreshed
-                unit.start_gather(self.collectives)
+                self._start_gather(unit, _GatherFor.REFRESH)
                 unit.finish_gather()
 
     @torch.no_grad()
     def gather_to_cpu(self, from_master: bool) -> None:
         """Gives every parameter its own whole CPU tensor, unit by unit (used at teardown); with
         ``from_master``, the fp32 master values (a bf16/fp16-mixed model goes back to fp32)."""
+        self.absorb_writes(through_data=True)
         for unit in self.units:
             if from_master and unit.master is not unit.shard:
-                for sp, value in unit.gather_master_values(self.collectives).items():
-                    sp.param.data = value.to("cpu", copy=True)
+                values = {sp: value.to("cpu", copy=True) for sp, value in unit.gather_master_values(self.collectives).items()}
             else:
                 self.acquire(unit)
-                for sp in unit.params:
-                    sp.param.data = sp.param.detach().to("cpu", copy=True)
+                values = {sp: sp.param.detach().to("cpu", copy=True) for sp in unit.params}
             unit.refcount = 0
             unit.persistent = False
             unit.free()
+            for sp, value in values.items():
+                sp.param.data = value
 
     # ------------------------------------------------------------------ whole parameters on demand
     @contextlib.contextmanager
@@ -806,14 +993,40 @@ class Zero3Engine:
         try:
             yield
         finally:
-            if writeback:
-                for unit in self.units:
+            for unit in self.units:
+                if writeback:
                     unit.write_back_changed()
+                unit._forget_writes()  # written back above, or to be dropped
             for unit in self.units:
                 self.release(unit)
 
+    @contextlib.contextmanager
+    def true_shapes(self) -> Iterator[None]:
+        """Parameters of sharded units show their true shape, dtype and device, with zeros for
+        values and no memory behind them (a stride-0 view), e.g. while configure_optimizers groups
+        parameters by ``p.dim()`` or a fused optimizer checks their devices; writes raise."""
+        sharded = [unit for unit in self.units if unit.state is not UnitState.GATHERED]
+        for unit in sharded:
+            zero = torch.zeros((), dtype=unit.param_dtype, device=unit.device)
+            for sp in unit.params:
+                if not sp.param.is_meta:
+                    sp.param.data = zero.expand(sp.shape)
+        try:
+            yield
+        finally:
+            for unit in sharded:
+                unit._point_params_at_shard()
+
+    def absorb_writes(self, through_data: bool = False) -> None:
+        """Takes in-place writes to parameters into the shards and masters, in every unit (see
+        [Note: a stage-3 parameter outside its gather]); cheap when nothing was written. With
+        ``through_data``, also writes through ``.data`` (a comparison of every shard)."""
+        for unit in self.units:
+            unit.absorb_data_writes() if through_data else unit.absorb_writes()
+
     def param_pieces(self) -> list[ParamPiece]:
         """Every parameter's fp32 master piece on this rank (frozen ones included)."""
+        self.absorb_writes(through_data=True)  # a checkpoint reads the masters
         return [sp.piece(sp.master) for unit in self.units for sp in unit.params]
 
     @torch.no_grad()
@@ -831,6 +1044,7 @@ class Zero3Engine:
         A collective: units are gathered one at a time, so no rank holds the whole model on the device.
         """
         keep = self.collectives.rank == to
+        self.absorb_writes(through_data=True)
         names = {sp.param: sp.name for sp in self.sharded_params.values()}
         result: dict[str, Tensor] = {}
         for unit in self.units:
@@ -873,10 +1087,10 @@ class Zero3Engine:
                 if key is None or key not in state:
                     continue
                 value = state[key]
-                if tuple(value.shape) != tuple(sp.param.shape):
+                if tuple(value.shape) != tuple(sp.shape):
                     raise ValueError(f"'{key}' has shape {tuple(value.shape)} in the state dict but"
-                                     f" {tuple(sp.param.shape)} in the model.")
-                padded = torch.zeros(sp.full_range.size, dtype=torch.float32, device=unit.shard.device)
+                                     f" {tuple(sp.shape)} in the model.")
+                padded = torch.zeros(sp.full_range.size, dtype=unit.master_dtype, device=unit.shard.device)
                 padded[: sp.numel].copy_(value.reshape(-1))
                 piece = padded[unit.rank * sp.shard_numel : (unit.rank + 1) * sp.shard_numel]
                 sp.shard.copy_(piece)
@@ -1034,6 +1248,9 @@ class Zero3Optimizer(ShardedOptimizer):
             self.engine.sync_enabled = previous
 
     def finish_grad_sync(self) -> None:
+        # Called before every step (and clipping): values user code wrote into parameters reach
+        # the masters before the optimizer reads them.
+        self.engine.absorb_writes()
         if self._sync_state is SyncState.SYNCED:
             return
         with torch.profiler.record_function("zero3::finish_grad_sync"):
@@ -1082,7 +1299,7 @@ class Zero3Optimizer(ShardedOptimizer):
                     full = torch.empty(sp.shard_numel * self.collectives.world_size, dtype=value.dtype,
                                        device=self.comm_device)
                     self.collectives.all_gather(full, value.to(self.comm_device).contiguous()).wait()
-                    value = full[: sp.numel].view(sp.param.shape).cpu()
+                    value = full[: sp.numel].view(sp.shape).cpu()
                 elif isinstance(value, Tensor):
                     value = value.clone()
                 entry[key] = value
@@ -1102,10 +1319,10 @@ class Zero3Optimizer(ShardedOptimizer):
             entry: dict[str, Any] = {}
             for key, value in saved.items():
                 if isinstance(value, Tensor) and value.dim() > 0:
-                    if tuple(value.shape) != tuple(sp.param.shape):
+                    if tuple(value.shape) != tuple(sp.shape):
                         raise ValueError(
                             f"Optimizer state '{key}' of parameter '{sp.name}' has shape {tuple(value.shape)}, but the"
-                            f" parameter has shape {tuple(sp.param.shape)}: the state comes from a different model."
+                            f" parameter has shape {tuple(sp.shape)}: the state comes from a different model."
                         )
                     padded = torch.zeros(sp.full_range.size, dtype=value.dtype, device=master.device)
                     padded[: sp.numel].copy_(value.reshape(-1))

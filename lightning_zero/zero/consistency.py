@@ -1,0 +1,164 @@
+"""Ranks that disagree get an error, not a hang or an abort.
+
+[Note: ranks that disagree]
+Every ZeRO collective must be joined by every rank with a tensor of the same size. When ranks
+disagree (a model whose structure depends on the rank, a branch that runs a unit on one rank
+only, a dataloader with fewer batches on one rank), the collectives pair up wrongly: gloo aborts
+the process on a size mismatch (``op.preamble.length <= op.nbytes``) and a mismatch of matching
+sizes waits forever or, worse, exchanges the wrong data. So before the collectives that can
+diverge, the ranks exchange a few integers saying what they are about to do, and raise the
+same clear error on every rank when those differ:
+
+- at setup, every parameter's name, shape and dtype (``check_same_model``), as DDP does;
+- at stage 3, before each all-gather, which unit it is for (``Collectives.agree`` in the
+  engine's gather; ``ZeroConfig.check_gather_order``);
+- for each dataloader, its number of batches; where that is unknown (an IterableDataset),
+  before each batch whether this rank has one (``AgreedBatches``).
+
+The exchange is one small all-gather, on a gloo group beside an NCCL one so that it needs no
+device synchronization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from torch import nn
+
+from lightning_zero.zero.comm import Collectives, CountingCollectives
+
+AnyCollectives = Collectives | CountingCollectives
+
+
+class RanksDisagreeError(RuntimeError):
+    """The ranks were about to run different collectives; raised on every rank alike."""
+
+
+def model_fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    """(name, shape, dtype, requires_grad) of every parameter, in registration order."""
+    return [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
+            for name, p in module.named_parameters()]
+
+
+def check_same_model(module: nn.Module, collectives: AnyCollectives) -> None:
+    """Raises :class:`RanksDisagreeError` on every rank unless all ranks hold the same parameters."""
+    if collectives.world_size == 1:
+        return
+    mine = model_fingerprint(module)
+    every = collectives.gather_objects(mine)
+    if all(fingerprint == every[0] for fingerprint in every):
+        return
+    odd = next(rank for rank, fingerprint in enumerate(every) if fingerprint != every[0])
+    first, other = every[0], every[odd]
+    position = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
+
+    def describe(fingerprint: Sequence[tuple[str, tuple[int, ...], str, bool]]) -> str:
+        if position >= len(fingerprint):
+            return "no such parameter"
+        name, shape, dtype, trained = fingerprint[position]
+        return f"'{name}' {shape} {dtype}{'' if trained else ' frozen'}"
+
+    raise RanksDisagreeError(
+        f"ZeRO needs the same model on every rank, but rank {odd} has {len(other)} parameters while rank 0 has"
+        f" {len(first)}; the first difference is parameter #{position}: rank 0 {describe(first)}, rank {odd}"
+        f" {describe(other)}. Build the model the same way on every rank (no rank-dependent layers or"
+        " sizes); rank-specific behaviour belongs in forward, inside a module every rank runs."
+    )
+
+
+class AgreedBatches:
+    """Iterates a dataloader in step with the other ranks: before each batch, the ranks say
+    whether they have one, so a rank that ran out while others go on raises on every rank
+    instead of leaving them in mismatched collectives (see [Note: ranks that disagree]).
+
+    Everything else (``len``, ``sampler``, ``dataset``, ...) is the wrapped loader's.
+    """
+
+    def __init__(self, loader: Iterable[Any], collectives: AnyCollectives, name: str, lengths: Sequence[int]) -> None:
+        self.loader = loader
+        self._collectives = collectives
+        self._name = name
+        self._lengths = list(lengths)
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.loader)
+        count = 0
+        while True:
+            try:
+                batch = next(iterator)
+                have = 1
+            except StopIteration:
+                batch, have = None, 0
+            flags = [row[0] for row in self._collectives.agree([have])]
+            if all(flags):
+                yield batch
+                count += 1
+                continue
+            if not any(flags):
+                return
+            raise RanksDisagreeError(self._message(count, flags))
+
+    def _message(self, count: int, flags: Sequence[int]) -> str:
+        done = [rank for rank, flag in enumerate(flags) if not flag]
+        going = [rank for rank, flag in enumerate(flags) if flag]
+        return (
+            f"Rank(s) {done} ran out of batches of the {self._name} after {count} batches while rank(s) {going} have"
+            " more. Under ZeRO every step is a set of collectives all ranks must join, so every rank needs"
+            " the same number of batches: use Lightning's distributed sampler (Trainer(use_distributed_sampler=True),"
+            " the default), or make each rank's dataloader yield as many batches as the others (e.g. drop_last=True,"
+            " or equal shards of an IterableDataset)."
+        )
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]  # TypeError when the loader has no length, as for it
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def agree_on_batches(loader: Any, collectives: AnyCollectives, name: str, limit: int | float | None = None) -> Any:
+    """Checks that every rank will run the same number of batches of ``loader``.
+
+    Known lengths (after ``limit``, Lightning's ``limit_*_batches``) are compared once: equal, the
+    loader is returned as it is; different, :class:`RanksDisagreeError` now, on every rank (the
+    loop stops a rank at its own length, so a per-batch check would never hear from it). Unknown
+    lengths (and IterableDatasets, whose length is only a hint) get an :class:`AgreedBatches`.
+    """
+    if collectives.world_size == 1:
+        return loader
+    try:
+        length = _limited(len(loader), limit)
+    except TypeError:
+        length = -1
+    lengths = [row[0] for row in collectives.agree([length])]
+    known = [n >= 0 for n in lengths]
+    if all(known) and len(set(lengths)) > 1 or any(known) and not all(known):
+        shown = [n if n >= 0 else "unknown" for n in lengths]
+        raise RanksDisagreeError(
+            f"The {name} has a different number of batches on each rank (by rank: {shown}). Under ZeRO every step is a set"
+            " of collectives all ranks must join, so every rank needs the same number of batches: use Lightning's"
+            " distributed sampler (Trainer(use_distributed_sampler=True), the default), give every rank an equal"
+            " shard (e.g. drop_last=True), or cap them with limit_train_batches / limit_val_batches."
+        )
+    if all(known) and not _is_iterable_dataset(loader):
+        return loader
+    return AgreedBatches(loader, collectives, name, lengths)
+
+
+def _limited(length: int, limit: int | float | None) -> int:
+    """The batches Lightning's loop takes of a loader of ``length`` under ``limit_*_batches``."""
+    if limit is None or isinstance(limit, bool):
+        return length
+    if isinstance(limit, int):
+        return min(length, limit)
+    return length if limit == 1.0 else int(length * limit)
+
+
+def _is_iterable_dataset(loader: Any) -> bool:
+    # An IterableDataset's __len__ is only a hint: the batches it yields decide.
+    from torch.utils.data import IterableDataset
+
+    return isinstance(getattr(loader, "dataset", None), IterableDataset)

@@ -1,0 +1,415 @@
+"""ZeRO-3 under real user code (issue: "ZeRO-3 survives real user code"): parameters read and
+written outside forward, Lightning's SWA and EMA callbacks, forward outside *_step (a callback,
+Hugging Face generate), and ranks that disagree (data length, structure, units run) getting an
+error on every rank instead of a hang or an abort. Two gloo ranks, one spawn."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, StochasticWeightAveraging
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from harness import launched_environment, run_on_ranks
+from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero.offload import CPUOffloadPolicy
+from models import VOCAB, TiedGPT, TinyGPT, fit, loader, max_abs_diff, params_of, token_data
+
+WORLD = 2
+UNIT = 500  # min_unit_numel: the blocks and the embedding become units of their own
+
+
+def zero3(**overrides: Any) -> ZeroStrategy:
+    return ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=UNIT, **overrides))
+
+
+def zero3_offload() -> ZeroStrategy:
+    offload = CPUOffloadPolicy()
+    return zero3(offload_optimizer=offload, offload_params=offload)
+
+
+# ---------------------------------------------------------------------------------------- reads and writes
+class ReadsOutsideForward(Callback):
+    """What the issue saw segfault: a norm and a clone of a parameter between steps."""
+
+    def __init__(self) -> None:
+        self.reads: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        weight = pl_module.blocks[0].linear1.weight
+        piece = weight.detach().clone()
+        norm = float(weight.norm())
+        with trainer.strategy.gathered_params(writeback=False):
+            whole = weight.detach().clone()
+        self.reads.append({"piece": piece, "norm": norm, "whole": whole})
+
+
+class WritesOutsideForward(Callback):
+    """Scales a parameter in place between steps, the way weight-averaging callbacks write."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            pl_module.norm.weight.mul_(0.5)  # root unit (not gathered between steps)
+            pl_module.blocks[1].linear2.weight.detach().mul_(0.5)  # a unit of its own
+
+
+def _reads(strategy: Any) -> dict[str, Any]:
+    pl.seed_everything(0)
+    reads = ReadsOutsideForward()
+    fit(TiedGPT(), strategy, WORLD, steps=3, callbacks=[reads])
+    return {"reads": reads.reads}
+
+
+def _writes(strategy: Any) -> dict[str, Any]:
+    pl.seed_everything(0)
+    module = TiedGPT()
+    fit(module, strategy, WORLD, steps=4, callbacks=[WritesOutsideForward()])
+    return {"params": params_of(module), "losses": module.losses}
+
+
+# ---------------------------------------------------------------------------------------- weight averaging
+class AveragedPieces(Callback):
+    """How many elements this rank's averaged copy holds (sharded like the model, or whole)."""
+
+    def __init__(self, averaging: Callback) -> None:
+        self.averaging = averaging
+        self.elements = -1
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        average = self.averaging._average_model
+        self.elements = sum(p.numel() for p in average.parameters())
+
+
+def _averaged(strategy: Any, averaging: Callback) -> dict[str, Any]:
+    pl.seed_everything(0)
+    module = TiedGPT()
+    pieces = AveragedPieces(averaging)
+    _fit_epochs(module, strategy, [averaging, pieces], max_epochs=3, limit_train_batches=4)
+    return {"params": params_of(module), "elements": pieces.elements}
+
+
+def _averaging_cases() -> dict[str, Any]:
+    out: dict[str, Any] = {"numel": sum(p.numel() for p in TiedGPT().parameters())}
+    for name, strategy in (("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", zero3),
+                           ("zero3_offload", zero3_offload)):
+        out[f"swa_{name}"] = _averaged(strategy(), StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1))
+        out[f"ema_{name}"] = _averaged(strategy(), EMAWeightAveraging(decay=0.8))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- forward outside steps
+class ForwardInCallback(Callback):
+    def __init__(self) -> None:
+        self.outputs: list[Tensor] = []
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        tokens = token_data(4, seed=1).tensors[0]
+        with torch.no_grad():
+            self.outputs.append(pl_module(tokens))
+
+
+def _fit_epochs(module: pl.LightningModule, strategy: Any, callbacks: list[Callback], **trainer_kwargs: Any) -> None:
+    """Fits by epochs (the callbacks here act at epoch ends), inside the launched ranks."""
+    with launched_environment():
+        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=callbacks, **trainer_kwargs)
+        trainer.fit(module, train_dataloaders=loader())
+
+
+def _forward_outside(strategy: Any) -> Tensor:
+    pl.seed_everything(0)
+    callback = ForwardInCallback()
+    # TinyGPT's 4.5K parameters are all in the root unit
+    _fit_epochs(TinyGPT(), strategy, [callback], max_epochs=2, limit_train_batches=3)
+    return torch.stack(callback.outputs)
+
+
+class TinyHFGPT2(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        logits = self.model(input_ids=batch[0]).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Generates(Callback):
+    def __init__(self) -> None:
+        self.tokens: list[Tensor] = []
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        prompt = torch.tensor([[1, 2, 3, 4]])
+        out = pl_module.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                       do_sample=False, pad_token_id=0)
+        self.tokens.append(out)
+
+
+def _generate(strategy: Any) -> Tensor:
+    pl.seed_everything(0)
+    callback = Generates()
+    _fit_epochs(TinyHFGPT2(), strategy, [callback], max_epochs=2, limit_train_batches=3)
+    return torch.cat(callback.tokens)
+
+
+# ---------------------------------------------------------------------------------------- ranks that disagree
+def _error_of(run: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        run()
+        message = "no error"
+    except Exception as error:  # noqa: BLE001 - the test asserts the type and the text
+        message = f"{type(error).__name__}: {error}"
+    return {"message": message, "seconds": time.monotonic() - start}
+
+
+class RankStream(torch.utils.data.IterableDataset):
+    """A stream with no length: 5 batches on rank 0, 4 on rank 1."""
+
+    def __iter__(self) -> Any:
+        samples = 20 if torch.distributed.get_rank() == 0 else 16
+        yield from token_data(samples)
+
+
+def _uneven_data(strategy: Any, iterable: bool = False, **trainer_kwargs: Any) -> dict[str, Any]:
+    samples = 20 if torch.distributed.get_rank() == 0 else 16  # 5 batches against 4
+    data = DataLoader(RankStream(), batch_size=4) if iterable else loader(samples=samples)
+
+    def run() -> None:
+        with launched_environment():
+            trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=1,
+                                 use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+            trainer.fit(TiedGPT(), train_dataloaders=data)
+
+    return _error_of(run)
+
+
+class RankDependentDepth(TiedGPT):
+    """A ModuleList whose length depends on the rank: a different model on each rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks.append(nn.Linear(32, 32) if torch.distributed.get_rank() == 1 else nn.Identity())
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(self.norm(hidden))
+
+
+class RankDependentBranch(TiedGPT):
+    """The same model everywhere, but rank 1 runs one block fewer: different units per rank."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.embed(tokens)
+        for block in self.blocks[: len(self.blocks) - self.trainer.global_rank]:
+            hidden = block(hidden)
+        return self.head(self.norm(hidden))
+
+
+def _disagreeing_ranks() -> dict[str, Any]:
+    out = {}
+    for name, strategy in (("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", zero3)):
+        out[f"data_{name}"] = _uneven_data(strategy())
+        out[f"stream_{name}"] = _uneven_data(strategy(), iterable=True)
+        out[f"structure_{name}"] = _error_of(lambda: fit(RankDependentDepth(), strategy(), WORLD, steps=2))
+    out["branch_zero3"] = _error_of(lambda: fit(RankDependentBranch(), zero3(), WORLD, steps=2))
+    # The same uneven data trains when the run takes only batches every rank has, as with DDP.
+    out["uneven_but_limited"] = _uneven_data(zero3(), limit_train_batches=3)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- several dtypes
+class MixedBlock(nn.Module):
+    """One module, three parameter dtypes: fp32 weights, a bf16 adapter, a float64 scale."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.adapter = nn.Linear(width, width, bias=False).to(torch.bfloat16)
+        self.scale = nn.Parameter(torch.ones(width, dtype=torch.float64))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        hidden = torch.tanh(self.linear(hidden)) + self.adapter(hidden.bfloat16()).float()
+        return (hidden.double() * self.scale).float()
+
+
+class MixedDtypeNet(pl.LightningModule):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(MixedBlock(width) for _ in range(2))
+        self.head = nn.Linear(width, VOCAB)
+        self.gain = nn.Parameter(torch.ones((), dtype=torch.float64))  # in the root unit
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        hidden = self.embed(batch[0])
+        for block in self.blocks:
+            hidden = block(hidden)
+        logits = (self.head(hidden).double() * self.gain).float()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self) -> Any:
+        wide = [p for p in self.parameters() if p.dtype == torch.float64]
+        rest = [p for p in self.parameters() if p.dtype != torch.float64]
+        # Updates of 1e-9 vanish in an fp32 master (1 + 1e-9 == 1 in fp32): only a float64 master keeps them.
+        return torch.optim.AdamW([{"params": rest, "lr": 1e-2}, {"params": wide, "lr": 1e-9, "weight_decay": 0.0}])
+
+
+class UnitNames(Callback):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        self.names = [unit.name for unit in engine.units] if engine is not None else []
+
+
+def _mixed_dtypes() -> dict[str, Any]:
+    out = {}
+    for name, strategy in (("ddp", lambda: "ddp"), ("zero2", lambda: ZeroStrategy(stage=2)),
+                           ("zero3", lambda: zero3(unit_modules=("MixedBlock",))),
+                           ("zero3_offload", lambda: ZeroStrategy(config=ZeroConfig(
+                               stage=3, unit_modules=("MixedBlock",), offload_optimizer=CPUOffloadPolicy(),
+                               offload_params=CPUOffloadPolicy())))):
+        pl.seed_everything(0)
+        module = MixedDtypeNet()
+        names = UnitNames()
+        fit(module, strategy(), WORLD, steps=4, callbacks=[names])
+        out[name] = {"params": params_of(module), "units": names.names}
+    return out
+
+
+# ---------------------------------------------------------------------------------------- one spawn
+def _all() -> dict[str, Any]:
+    return {
+        "reads_zero3": _reads(zero3()),
+        "reads_zero3_offload": _reads(zero3_offload()),
+        "writes": {name: _writes(strategy()) for name, strategy in (
+            ("ddp", lambda: "ddp"), ("zero3", zero3), ("zero3_offload", zero3_offload))},
+        "averaging": _averaging_cases(),
+        "forward": {"ddp": _forward_outside("ddp"), "zero3": _forward_outside(ZeroStrategy(stage=3))},
+        "generate": {"ddp": _generate("ddp"), "zero3": _generate(ZeroStrategy(config=ZeroConfig(
+            stage=3, unit_modules=("GPT2Block",))))},
+        "disagree": _disagreeing_ranks(),
+        "mixed_dtypes": _mixed_dtypes(),
+    }
+
+
+_OUTCOME: list[dict[str, Any]] = []
+
+
+def outcome() -> list[dict[str, Any]]:
+    if not _OUTCOME:
+        _OUTCOME.extend(run_on_ranks(_all, WORLD))
+    return _OUTCOME
+
+
+@pytest.mark.parametrize("case", ["reads_zero3", "reads_zero3_offload"])
+def test_a_parameter_outside_its_gather_is_this_ranks_piece(case: str) -> None:
+    for rank, per_rank in enumerate(outcome()):
+        reads = per_rank[case]["reads"]
+        assert len(reads) == 3
+        for read in reads:
+            whole = read["whole"].reshape(-1)
+            share = -(-whole.numel() // WORLD)
+            expected = whole[rank * share : (rank + 1) * share]
+            assert torch.equal(read["piece"], expected)  # 1-d, this rank's elements, no freed memory
+            assert read["norm"] == pytest.approx(float(expected.norm()), rel=1e-6)
+
+
+def test_in_place_writes_outside_forward_are_kept() -> None:
+    for per_rank in outcome():
+        writes = per_rank["writes"]
+        for name in ("zero3", "zero3_offload"):
+            assert max_abs_diff(writes[name]["params"], writes["ddp"]["params"]) <= 1e-5, name
+            assert max(abs(a - b) for a, b in zip(writes[name]["losses"], writes["ddp"]["losses"])) <= 1e-5
+
+
+@pytest.mark.parametrize("averaging", ["swa", "ema"])
+def test_weight_averaging_callbacks_match_stage_2_and_average_shards(averaging: str) -> None:
+    per_ranks = outcome()
+    for per_rank in per_ranks:
+        cases = per_rank["averaging"]
+        reference = cases[f"{averaging}_zero2"]
+        assert reference["elements"] == cases["numel"]  # stage 2: the average is whole
+        for name in ("zero3", "zero3_offload"):
+            assert max_abs_diff(cases[f"{averaging}_{name}"]["params"], reference["params"]) <= 1e-6, name
+    for name in ("zero3", "zero3_offload"):
+        elements = [per_rank["averaging"][f"{averaging}_{name}"]["elements"] for per_rank in per_ranks]
+        assert sum(elements) == per_ranks[0]["averaging"]["numel"]  # stage 3: each rank averages its pieces
+
+
+def test_forward_in_a_callback_and_generate_match_ddp() -> None:
+    for per_rank in outcome():
+        forward = per_rank["forward"]
+        assert forward["zero3"].shape == forward["ddp"].shape == (2, 4, 8, VOCAB)
+        assert (forward["zero3"] - forward["ddp"]).abs().max() <= 1e-5
+        generated = per_rank["generate"]
+        assert generated["ddp"].shape == (2, 10)
+        assert torch.equal(generated["zero3"], generated["ddp"])
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_rank_with_fewer_batches_is_an_error_on_every_rank(stage: str) -> None:
+    for per_rank in outcome():
+        result = per_rank["disagree"][f"data_{stage}"]
+        assert result["message"].startswith("RanksDisagreeError: The train_dataloader has a different number of"
+                                            " batches on each rank (by rank: [5, 4]).")
+        stream = per_rank["disagree"][f"stream_{stage}"]
+        assert stream["message"].startswith("RanksDisagreeError: Rank(s) [1] ran out of batches of the"
+                                            " train_dataloader after 4 batches while rank(s) [0] have more.")
+        assert result["seconds"] < 60 and stream["seconds"] < 60
+    assert all(per_rank["disagree"]["uneven_but_limited"]["message"] == "no error" for per_rank in outcome())
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_model_that_differs_between_ranks_is_an_error_at_setup(stage: str) -> None:
+    for per_rank in outcome():
+        message = per_rank["disagree"][f"structure_{stage}"]["message"]
+        assert message.startswith("RanksDisagreeError: ZeRO needs the same model on every rank, but rank 1 has")
+        assert "parameter #" in message and "rank 0 no such parameter" in message and "'blocks.2.weight'" in message
+
+
+def test_ranks_running_different_units_get_an_error_naming_them() -> None:
+    for per_rank in outcome():
+        message = per_rank["disagree"]["branch_zero3"]["message"]
+        assert message.startswith("RanksDisagreeError: ZeRO-3 ranks disagree on which unit to gather next:")
+        assert "rank 0 gathers 'blocks.1' (forward)" in message and "rank 1 gathers" in message
+
+
+def test_parameters_of_several_dtypes_train_at_stage_3_and_float64_keeps_its_precision() -> None:
+    for per_rank in outcome():
+        cases = per_rank["mixed_dtypes"]
+        ddp = cases["ddp"]["params"]
+        assert {str(p.dtype) for p in ddp.values()} == {"torch.float32", "torch.bfloat16", "torch.float64"}
+        assert cases["zero3"]["units"] == ["<root>[float64]", "<root>", "blocks.0[float64]", "blocks.0", "blocks.0[bfloat16]",
+                                           "blocks.1[float64]", "blocks.1", "blocks.1[bfloat16]"]
+        for name in ("zero3", "zero3_offload"):
+            params = cases[name]["params"]
+            assert {k: v.dtype for k, v in params.items()} == {k: v.dtype for k, v in ddp.items()}
+            # fp32 and bf16 parameters: each rounded from an fp32 master, as at stage 2
+            for key, value in params.items():
+                if value.dtype != torch.float64:
+                    tolerance = 1e-5 if value.dtype == torch.float32 else 1e-2
+                    assert (value.float() - cases["zero2"]["params"][key].float()).abs().max() <= tolerance, key
+            # float64: the 1e-9 updates survive (a float32 master would leave exactly 1.0), equal to DDP's
+            # (4 steps of about 1e-9 each; the runs differ by fp32 rounding in the gradients only)
+            for key in ("gain", "blocks.0.scale", "blocks.1.scale"):
+                assert (ddp[key] - 1).abs().max() > 1e-9 and (params[key] - 1).abs().max() > 1e-9
+                assert (params[key] - ddp[key]).abs().max() <= 1e-10, key  # an fp32 master: about 4e-9 off
