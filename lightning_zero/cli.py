@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="the sharded checkpoint directory")
     export.add_argument("output", help="the file to write (.pt, .ckpt or .safetensors)")
     export.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                        help="dtype of every floating-point tensor of the module's state (optimizer state is kept as saved)")
+                        help="dtype of every floating-point tensor of the module's state (float64 tensors and optimizer state"
+                             " are kept as saved)")
     export.add_argument("--weights-only", action="store_true", help="leave out optimizer state, schedulers and loops")
     export.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser

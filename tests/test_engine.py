@@ -42,11 +42,12 @@ def _engine_cases() -> dict[str, Any]:
 
     # A step with no gradient anywhere changes nothing, as in torch.
     before = [p.detach().clone() for p in model.parameters()]
-    state_before = {k: v.clone() for k, v in optimizer.state[next(optimizer.buckets).master].items()}
+    holders = [piece.holder for piece in optimizer.param_pieces()]
+    state_before = [{k: v.clone() for k, v in optimizer.state[holder].items()} for holder in holders]
     optimizer.step()
     out["unchanged_params"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    state_after = optimizer.state[next(optimizer.buckets).master]
-    out["unchanged_state"] = all(torch.equal(state_before[k], state_after[k]) for k in state_before)
+    state_after = [optimizer.state[holder] for holder in holders]
+    out["unchanged_state"] = all(torch.equal(b[k], a[k]) for b, a in zip(state_before, state_after) for k in b)
 
     # no_sync: three accumulating backwards communicate nothing; the step reduces once.
     counting.reset()
@@ -60,7 +61,25 @@ def _engine_cases() -> dict[str, Any]:
     out["buckets"] = sum(len(b.buckets) for b in optimizer.flat_buffers)
     out["grads_are_none"] = all(p.grad is None for p in model.parameters())
     out["adagrad"] = _adagrad_against_torch(data)
+    out["published_after_load"] = _publish_after_load(data)
     return out
+
+
+def _publish_after_load(data: torch.Tensor) -> float:
+    """Offload with bf16 parameters: masters loaded after a step reach the parameters (not the
+    bf16 copy the last CPU step staged). Returns the largest parameter value after loading zeros."""
+    from lightning_zero import CPUOffloadPolicy
+
+    model = _model()
+    optimizer = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), model, Collectives(),
+                              ZeroConfig(stage=2, offload_optimizer=CPUOffloadPolicy()), param_dtype=torch.bfloat16)
+    model.to(torch.bfloat16)
+    model(data.bfloat16()).float().pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.load_master_values({param: torch.zeros_like(param, dtype=torch.float32) for param in model.parameters()})
+    optimizer.publish_params()
+    return max(float(param.abs().max()) for param in model.parameters())
 
 
 def _adagrad_against_torch(data: torch.Tensor) -> dict[str, float]:
@@ -119,6 +138,11 @@ def test_no_sync_defers_every_reduction_to_the_step(results: list[dict[str, Any]
         assert per_rank["calls_under_no_sync"] == 0
         assert per_rank["reduce_scatters_after"] == per_rank["buckets"] > 1
         assert per_rank["grads_are_none"]
+
+
+def test_publish_after_loading_masters_takes_the_masters_not_the_staged_copy(results: list[dict[str, Any]]) -> None:
+    for per_rank in results:
+        assert per_rank["published_after_load"] == 0.0
 
 
 def test_adagrad_whose_constructor_builds_state_is_sharded_and_matches_torch(results: list[dict[str, Any]]) -> None:

@@ -44,14 +44,15 @@ def _scripted_overflow() -> dict[str, Any]:
         inject["now"] = step in OVERFLOW_STEPS
         params = [p.detach().clone() for p in model.parameters()]
         master = [b.master.clone() for b in optimizer.buckets]
-        state = [{k: v.clone() for k, v in optimizer.state.get(b.master, {}).items()} for b in optimizer.buckets]
+        holders = [piece.holder for piece in optimizer.param_pieces()]
+        state = [{k: v.clone() for k, v in optimizer.state.get(h, {}).items()} for h in holders]
         optimizer.zero_grad()
         (model(data).float().pow(2).mean() * scaler.scale).backward()
         optimizer.step()
         same_params = all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
         same_master = all(torch.equal(a, b.master) for a, b in zip(master, optimizer.buckets))
         same_state = all(
-            torch.equal(v, optimizer.state[b.master][k]) for s, b in zip(state, optimizer.buckets) for k, v in s.items()
+            torch.equal(v, optimizer.state[h][k]) for s, h in zip(state, holders) for k, v in s.items()
         )
         record["scales"].append(scaler.scale)
         record["skipped"].append(optimizer.last_step_skipped)

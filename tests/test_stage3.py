@@ -359,5 +359,5 @@ def test_bad_input_gets_clear_errors() -> None:
     for per_rank in outcome(2):
         errors = per_rank["errors"]
         assert "'head.weight' was replaced after ZeRO-3 sharded the model" in errors["replaced"]
-        assert "unused.weight" in errors["unused"] and "requires_grad=False" in errors["unused"]
+        assert errors["unused"] == "no error"  # skipped like torch.optim does: see test_no_grad_params.py
         assert "['Block']" in errors["no_such_unit"] and "TransformerEncoderLayer" in errors["no_such_unit"]

@@ -77,8 +77,8 @@ def consolidate(
     written under each name). Otherwise a Lightning checkpoint for ``torch.load``,
     ``LightningModule.load_from_checkpoint`` and ``trainer.fit(ckpt_path=...)`` with any strategy:
     the weights, and unless ``weights_only`` the optimizer states in torch's format, LR
-    schedulers, loops and callbacks. ``dtype`` casts the floating-point weights (optimizer state
-    stays as saved). Returns the output path.
+    schedulers, loops and callbacks. ``dtype`` casts the floating-point weights of up to 32 bits
+    (float64 ones, and the optimizer state, stay as saved). Returns the output path.
     """
     if dtype not in DTYPES:
         raise ValueError(f"consolidate(dtype={dtype!r}) is not one of {', '.join(map(repr, DTYPES))}.")
@@ -146,7 +146,10 @@ def _model_entries(path: Path, metadata: Metadata, meta: CheckpointMeta, dtype: 
         md = metadata.state_dict_metadata.get(source)
         if isinstance(md, TensorStorageMetadata):
             saved = md.properties.dtype
-            result[key] = _Entry(key, source, tuple(md.size), saved, dtype if saved.is_floating_point else saved)
+            # A float64 tensor is one the model trains in float64 (its master is float64 too):
+            # casting it to the export's dtype would round what training kept.
+            cast = saved.is_floating_point and saved.itemsize <= 4
+            result[key] = _Entry(key, source, tuple(md.size), saved, dtype if cast else saved)
         elif isinstance(md, BytesStorageMetadata):
             result[key] = None
             objects.append((key, source))

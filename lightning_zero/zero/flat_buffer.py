@@ -4,14 +4,24 @@
 The parameters of one optimizer param group and one dtype are packed, in reverse registration
 order (roughly the order backward produces their gradients), into buckets of about
 ``reduce_bucket_size`` elements. Each bucket is padded to a multiple of the world size N and
-split into N equal chunks: rank r owns chunk r of every bucket. A rank's fp32 master shard is the
-concatenation of its chunks (one fp32 tensor per bucket, ~Psi/N elements in all), and one
+split into N equal chunks: rank r owns chunk r of every bucket. A rank's master shard is the
+concatenation of its chunks (one tensor per bucket, ~Psi/N elements in all), and one
 reduce-scatter (gradients) or all-gather (parameters) per bucket moves exactly that bucket's
 data. Index spaces are named by :class:`Range` users: "bucket" offsets are within a bucket's flat
 data, "shard" offsets are within the rank's master shard.
+
+Masters are fp32, or the parameters' own dtype where it is wider (float64): a float64 parameter
+is reduced, stored and stepped in float64, as DDP does (see :func:`master_dtype`).
+
+Each bucket's master chunk is cut into one view per parameter, its :class:`ParamPiece` (the
+last one also covers the chunk's padding, so the views tile the chunk): the wrapped optimizer
+steps and keys its state by these views, so it keeps per-parameter state as torch.optim does
+(see [Note: parameters without a gradient] in optimizer.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import enum
 from dataclasses import dataclass
@@ -36,6 +46,55 @@ class Range:
 
     def slice(self, flat: Tensor) -> Tensor:
         return flat[self.start : self.end]
+
+
+@dataclass(frozen=True)
+class ParamPiece:
+    """This rank's part of one parameter's master (and optimizer state), and every rank's part.
+
+    Indices of ``ranges`` are in the flattened parameter; a sharded checkpoint saves each rank's
+    range as boxes of the parameter's true shape (see [Note: checkpoint layout] in
+    lightning_zero/checkpoint/sharded.py).
+    """
+
+    param: nn.Parameter
+    name: str
+    ranges: tuple[Range, ...]  # rank r holds ranges[r] of the flattened parameter (maybe empty)
+    holder: Tensor  # the 1-d master tensor the wrapped optimizer steps and keys its state by
+    in_holder: Range  # where this rank's range lies inside ``holder`` and its per-element state
+    param_shape: tuple[int, ...] | None = None  # when ``param`` does not show its true shape (stage 3)
+
+    @property
+    def master(self) -> Tensor:
+        return self.in_holder.slice(self.holder)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's true shape."""
+        return tuple(self.param.shape) if self.param_shape is None else self.param_shape
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a parameter's master, gradient reduction and optimizer state: fp32, or the
+    parameter's own dtype when it is wider (float64 must not be rounded through fp32)."""
+    return torch.promote_types(param_dtype, torch.float32)
+
+
+def reduce_dtype_for(dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
+    """What gradients of ``dtype`` parameters are accumulated and reduced in: the configured
+    ``reduce_dtype``, except for parameters wider than fp32, which keep their own (see master_dtype)."""
+    wide = master_dtype(dtype)
+    return wide if wide != torch.float32 else reduce_dtype
+
+
+def held_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a parameter is held in: the precision's ``param_dtype``, except for parameters
+    wider than 32 bits, which keep theirs (a float64 scale stays float64 under bf16-mixed)."""
+    return dtype if param_dtype is None or dtype.itemsize > 4 else param_dtype
 
 
 @dataclass(frozen=True)
@@ -82,9 +141,11 @@ class Bucket:
         self.rank = rank
         self.keep_grad_buffer = keep_grad_buffer
         self.grad_data: Tensor | None = None
-        # This rank's fp32 master chunk [shard_numel] and its gradient; on the CPU under offload.
+        # This rank's master chunk [shard_numel] (fp32 or wider) and its gradient; on the CPU
+        # under offload. Never rebound after set_master: the pieces are views into them.
         self.master = torch.empty(0)
         self.master_grad = torch.empty(0)
+        self.pieces: list[ParamPiece] = []  # pieces[i]: slots[i]'s part of the master, on this rank
         # Under offload with bf16/fp16 parameters: the CPU step writes the rounded chunk here
         # (pinned), and it is copied to the device from here.
         self.staging: Tensor | None = None
@@ -105,6 +166,31 @@ class Bucket:
     def owned_chunk(self, flat: Tensor) -> Tensor:
         """This rank's chunk of a bucket-sized tensor."""
         return flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+
+    def set_master(self, master: Tensor, master_grad: Tensor) -> None:
+        """Takes this rank's master chunk and its gradient, and cuts both into one view per slot.
+
+        A slot with no element in this chunk gets an empty view: the wrapped optimizer still
+        steps it (nothing to compute) so that every rank keeps the same per-parameter scalars,
+        e.g. Adam's step count, which a checkpoint saves from rank 0.
+        """
+        self.master, self.master_grad = master, master_grad
+        chunk = self.shard_numel
+        chunk_start = self.rank * chunk
+        self.pieces = []
+        for number, slot in enumerate(self.slots):
+            start, end = slot.bucket_range.start, slot.bucket_range.end
+            # rank r's chunk of the bucket, intersected with this parameter, in its own index space
+            ranges = tuple(
+                Range(min(max(r * chunk, start), end) - start, max(min((r + 1) * chunk, end), start) - start)
+                for r in range(self.world_size)
+            )
+            # The holders tile the chunk: the last slot's also covers the padding, stepped as before.
+            first = min(max(start - chunk_start, 0), chunk)
+            stop = chunk if number == len(self.slots) - 1 else min(max(end - chunk_start, 0), chunk)
+            holder = master[first:stop]
+            holder.grad = master_grad[first:stop]
+            self.pieces.append(ParamPiece(slot.param, slot.name, ranges, holder, Range(0, ranges[self.rank].size)))
 
     def accumulate(self, slot: ParamSlot, grad: Tensor) -> None:
         if self.state is GradState.REDUCING:
@@ -181,9 +267,11 @@ class FlatParamBuffer:
     """The parameters of one param group and one dtype, flattened into buckets.
 
     Owns the full flat parameter data [sum of padded bucket sizes] in ``param_dtype`` (every rank
-    holds all of it at stages 1 and 2); each bucket owns this rank's fp32 master chunk with its
-    gradient (on the CPU for the share an offload policy sends there). The master is taken from the parameters' values before any cast to
-    ``param_dtype``, so casting a model to bf16/fp16 loses nothing of the weights it started from.
+    holds all of it at stages 1 and 2); each bucket owns this rank's master chunk with its
+    gradient (on the CPU for the share an offload policy sends there), in
+    ``master_dtype(parameters' dtype)``. The master is taken from the parameters' values before
+    any cast to ``param_dtype``, so casting a model to bf16/fp16 loses nothing of the weights it
+    started from.
     """
 
     def __init__(
@@ -199,6 +287,7 @@ class FlatParamBuffer:
         offload: CPUOffloadPolicy | None = None,
     ) -> None:
         dtype = param_dtype or named_params[0][2].dtype
+        self.master_dtype = master_dtype(named_params[0][2].dtype)
         layout = _plan_buckets(named_params, bucket_size, world_size)
         total = sum(padded for _, padded in layout)
         self.dtype = dtype
@@ -216,7 +305,7 @@ class FlatParamBuffer:
             )
             # The bucket's values in full precision, one bucket at a time: the master shard is
             # taken from them rather than from the (possibly bf16/fp16) flat parameters.
-            values = torch.zeros(padded, dtype=torch.float32, device=device)
+            values = torch.zeros(padded, dtype=self.master_dtype, device=device)
             offset = 0
             for index, name, param in members:
                 slot = ParamSlot(param, name, index, Range(offset, offset + param.numel()))
@@ -225,10 +314,12 @@ class FlatParamBuffer:
                 offset += param.numel()
             param_data.copy_(values)
             master_device = placement.place(bucket.shard_numel)
-            bucket.master = placement.zeros(bucket.shard_numel, master_device)
-            bucket.master.copy_(bucket.owned_chunk(values))
-            bucket.master_grad = placement.zeros(bucket.shard_numel, master_device)
-            if offload is not None and master_device.type == "cpu" and dtype != torch.float32:
+            master = placement.zeros(bucket.shard_numel, master_device, self.master_dtype)
+            master.copy_(bucket.owned_chunk(values))
+            bucket.set_master(master, placement.zeros(bucket.shard_numel, master_device, self.master_dtype))
+            # Only the C++ CPU step, fp32 masters only, writes a low-precision copy (_fused_cpu_masters).
+            fused_out = self.master_dtype == torch.float32 and dtype != torch.float32
+            if offload is not None and master_device.type == "cpu" and fused_out:
                 bucket.staging = placement.zeros(bucket.shard_numel, torch.device("cpu"), dtype)
             self.buckets.append(bucket)
             self.slots.extend(bucket.slots)

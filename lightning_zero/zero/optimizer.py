@@ -2,11 +2,25 @@
 
 [Note: the user's optimizer is re-pointed, not replaced]
 :class:`ZeroOptimizer` takes the optimizer the user built and, for the duration of each step,
-points each param group's ``params`` at this rank's fp32 master shards (its state is keyed by
-them). The user's object keeps its class, its
+points each param group's ``params`` at this rank's master pieces: one view per parameter into
+its bucket's master chunk (its state is keyed by them). The user's object keeps its class, its
 hyperparameters and its identity, so LR schedulers already attached to it keep working, and the
 update is whatever that class computes, applied to 1/N of the elements. That is only exact for
 optimizers whose update is elementwise, which :func:`check_shardable` enforces.
+
+[Note: parameters without a gradient]
+torch.optim skips a parameter whose ``.grad`` is None: no update, no weight decay, and its
+per-parameter state (Adam's ``step``, SGD's momentum) stays as it was. DDP with
+``find_unused_parameters=True`` leaves ``.grad`` None for a parameter no rank used since the
+last ``zero_grad``, and gives one that some ranks used their gradients averaged with zeros. ZeRO
+does the same: every step, one all-reduce of per-parameter "had a gradient" flags
+(``_step_flags``) tells every rank which parameters got a gradient on any rank, and only their
+masters are listed in the param groups for the step (``_trained_masters``). Since the flags are
+agreed, every rank steps the same parameters, also those with no element on it (an empty view),
+so per-parameter scalars agree across ranks. At stages 1/2 this needs one master per parameter,
+not per bucket: the bucket's master chunk is cut into one view per parameter (see
+[Note: sharding layout] in flat_buffer.py), and the optimizer's state is keyed by those views,
+exactly the pieces the torch-format and sharded checkpoints are written from.
 
 [Note: gradient flow]
 A post-accumulate-grad hook on every parameter adds the new gradient into its bucket's local
@@ -22,7 +36,6 @@ import contextlib
 import enum
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +46,15 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives
-from lightning_zero.zero.flat_buffer import Bucket, FlatParamBuffer, GradState, ParamSlot, Range
+from lightning_zero.zero.flat_buffer import (
+    Bucket,
+    FlatParamBuffer,
+    GradState,
+    held_dtype,
+    ParamPiece,
+    ParamSlot,
+    reduce_dtype_for,
+)
 
 # Optimizers whose update of one element depends only on that element's gradient and state.
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
@@ -86,36 +107,6 @@ def check_shardable(optimizer: Optimizer, config: ZeroConfig) -> None:
         f" Known elementwise optimizers: {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}. If {name}'s"
         " update is elementwise, set ZeroConfig(allow_unknown_optimizer=True)."
     )
-
-
-@dataclass(frozen=True)
-class ParamPiece:
-    """This rank's part of one parameter's fp32 master (and optimizer state), and every rank's part.
-
-    Indices of ``ranges`` are in the flattened parameter; a sharded checkpoint saves each rank's
-    range as boxes of the parameter's true shape (see [Note: checkpoint layout] in
-    lightning_zero/checkpoint/sharded.py).
-    """
-
-    param: nn.Parameter
-    name: str
-    ranges: tuple[Range, ...]  # rank r holds ranges[r] of the flattened parameter (maybe empty)
-    holder: Tensor  # the 1-d fp32 master tensor the wrapped optimizer's state is keyed by
-    in_holder: Range  # where this rank's range lies inside ``holder`` and its per-element state
-    param_shape: tuple[int, ...] | None = None  # when ``param`` does not show its true shape (stage 3)
-
-    @property
-    def master(self) -> Tensor:
-        return self.in_holder.slice(self.holder)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The parameter's true shape."""
-        return tuple(self.param.shape) if self.param_shape is None else self.param_shape
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 class ShardedOptimizer(Optimizer):
@@ -188,11 +179,12 @@ class ShardedOptimizer(Optimizer):
         raise NotImplementedError
 
     def _group_masters(self) -> list[list[Tensor]]:
-        """Per param group, the fp32 master tensors the wrapped optimizer steps."""
+        """Per param group, the master tensors the wrapped optimizer steps (one per parameter)."""
         raise NotImplementedError
 
-    def _param_names(self) -> dict[int, str]:
-        """Trainable-parameter index (as in ``_had_grad``) to its name in the module."""
+    def _trained_masters(self, had_grad: Tensor) -> list[list[Tensor]]:
+        """Per param group, the masters of the parameters whose flag in ``had_grad`` (indexed as
+        ``_had_grad``) is set: those stepped now (see [Note: parameters without a gradient])."""
         raise NotImplementedError
 
     def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
@@ -206,6 +198,8 @@ class ShardedOptimizer(Optimizer):
     def publish_params(self) -> None:
         """Makes the model's parameters equal the master values (a collective), e.g. after the
         masters were loaded from a checkpoint."""
+        # The masters were written outside a step: no staging copy the CPU step wrote holds them.
+        self._fused_last = set()
         with torch.no_grad():
             self._publish_params()
 
@@ -233,12 +227,14 @@ class ShardedOptimizer(Optimizer):
         finally:
             self._sync_enabled = previous
 
-    def _step_flags(self) -> tuple[bool, bool]:
-        """(any parameter got a gradient, any rank's gradient overflowed), agreed by all ranks.
+    def _step_flags(self) -> tuple[Tensor, bool]:
+        """(per trainable parameter: got a gradient on some rank, any rank's gradient overflowed),
+        agreed by all ranks.
 
         One small all-reduce, on every rank, every step, so that all ranks take the same decision:
-        per-parameter "had a gradient" flags plus, with a loss scaler, one overflow flag. Raises when
-        only some parameters got a gradient: a flat shard cannot skip single parameters.
+        per-parameter "had a gradient" flags plus, with a loss scaler, one overflow flag. A
+        parameter without a gradient on any rank is skipped by the step, as torch.optim skips it
+        (see [Note: parameters without a gradient]).
         """
         flags = torch.zeros(len(self._had_grad) + 1, dtype=torch.int32, device=self.comm_device)
         flags[:-1] = self._had_grad.to(self.comm_device)
@@ -247,22 +243,8 @@ class ShardedOptimizer(Optimizer):
             flags[-1] = 0 if finite else 1
         self.collectives.all_reduce(flags, dist.ReduceOp.MAX)
         flags = flags.cpu()
-        had_grad, overflow = flags[:-1], bool(flags[-1])
-        if not bool(had_grad.any()):
-            return False, False
-        if overflow:
-            return True, True
-        if not bool(had_grad.all()):
-            without = set((had_grad == 0).nonzero().flatten().tolist())
-            names = self._param_names()
-            missing = [names[index] for index in sorted(without)]
-            raise RuntimeError(
-                f"These parameters received no gradient on any rank since the last zero_grad: {missing[:10]}"
-                f"{' ...' if len(missing) > 10 else ''}. torch.optim would skip them, but ZeRO steps flat shards"
-                " and would apply momentum and weight decay to them anyway. Set requires_grad=False on parameters"
-                " that are not trained, or leave them out of the optimizer's param groups."
-            )
-        return True, False
+        had_grad = flags[:-1].bool()
+        return had_grad, bool(had_grad.any()) and bool(flags[-1])
 
     # ------------------------------------------------------------------ step
 
@@ -272,7 +254,8 @@ class ShardedOptimizer(Optimizer):
 
         The step is skipped (parameters and optimizer state untouched) when no parameter got a
         gradient, or, with a loss scaler, when any rank's gradient overflowed; ``last_step_skipped``
-        tells which happened last.
+        tells which happened last. A parameter that got no gradient on any rank since the last
+        ``zero_grad`` is left out of the step, its optimizer state untouched, as in torch.optim.
         """
         loss = None
         if closure is not None:
@@ -286,34 +269,34 @@ class ShardedOptimizer(Optimizer):
             self.zero_grad()
             self.loss_scaler.update(overflow=True)
             return loss
-        if not had_grad:
+        if not bool(had_grad.any()):
             return loss
-        self._run_optimizer()
+        self._run_optimizer(self._trained_masters(had_grad))
         self._grad_coefficient = None
         self._publish_params()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         return loss
 
-    def _run_optimizer(self) -> None:
-        """Steps every master shard. Offloaded Adam/AdamW shards take the one-pass C++ CPU step,
-        which applies the unscale x clip factor and writes the low-precision copy in the same pass;
-        every other shard goes through the wrapped torch optimizer."""
-        fused = self._fused_cpu_masters()
+    def _run_optimizer(self, trained: list[list[Tensor]]) -> None:
+        """Steps the masters in ``trained`` (per param group). Offloaded Adam/AdamW masters take the
+        one-pass C++ CPU step, which applies the unscale x clip factor and writes the low-precision
+        copy in the same pass; every other master goes through the wrapped torch optimizer."""
+        fused = self._fused_cpu_masters(trained)
         self._fused_last = {id(master) for _, master in fused}
         if not fused:
             self._apply_grad_coefficient()
-            with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups():
+            with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(trained):
                 self.optimizer.step()
             return
-        fused_ids = {id(master) for _, master in fused}
         coefficient = float(self._grad_coefficient_now())
+        rest = [[m for m in masters if id(m) not in self._fused_last] for masters in trained]
         with torch.no_grad():
-            for grad, master in zip(self._master_grads(), (m for group in self._group_masters() for m in group)):
-                if id(master) not in fused_ids and coefficient != 1.0:
-                    grad.mul_(coefficient)
+            if coefficient != 1.0:
+                for master in (m for masters in rest for m in masters):
+                    master.grad.mul_(coefficient)
         self._grad_coefficient = 1.0
-        with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(skip=fused_ids):
+        with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(rest):
             if any(group["params"] for group in self.param_groups):
                 self.optimizer.step()
         with torch.profiler.record_function("zero::cpu_adam_step"):
@@ -324,16 +307,16 @@ class ShardedOptimizer(Optimizer):
         # and would otherwise warn that it was stepped first.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
-    def _fused_cpu_masters(self) -> list[tuple[dict[str, Any], Tensor]]:
-        """(param group, master) pairs the C++ CPU Adam steps: offloaded shards of Adam/AdamW."""
+    def _fused_cpu_masters(self, trained: list[list[Tensor]]) -> list[tuple[dict[str, Any], Tensor]]:
+        """(param group, master) pairs of ``trained`` the C++ CPU Adam steps: offloaded fp32
+        masters of Adam/AdamW (wider masters go through torch)."""
         if self.config.offload_optimizer is None or type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             return []
         pairs = []
-        for group, masters in zip(self.param_groups, self._group_masters()):
+        for group, masters in zip(self.param_groups, trained):
             if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
                 continue
-            # the C++ kernel steps fp32 masters; a float64 one goes through the torch optimizer
-            pairs += [(group, master) for master in masters if master.device.type == "cpu" and master.dtype == torch.float32]
+            pairs += [(group, m) for m in masters if m.device.type == "cpu" and m.dtype == torch.float32]
         return pairs
 
     def _cpu_adam_step(self, group: dict[str, Any], master: Tensor, coefficient: float) -> None:
@@ -345,6 +328,8 @@ class ShardedOptimizer(Optimizer):
             state["exp_avg"] = torch.zeros_like(master)
             state["exp_avg_sq"] = torch.zeros_like(master)
         state["step"] += 1
+        if master.numel() == 0:
+            return  # a parameter with no element on this rank: only its step count moves
         beta1, beta2 = group["betas"]
         fused_adam_step(
             master, master.grad, state["exp_avg"], state["exp_avg_sq"],
@@ -376,14 +361,14 @@ class ShardedOptimizer(Optimizer):
         self._grad_coefficient = 1.0
 
     @contextlib.contextmanager
-    def _masters_in_param_groups(self, skip: set[int] | None = None) -> Iterator[None]:
-        """Points each param group at this rank's master shards for the duration of the step.
+    def _masters_in_param_groups(self, masters_per_group: list[list[Tensor]]) -> Iterator[None]:
+        """Points each param group at the given masters of this rank for the duration of the step.
 
         Outside the step the groups list the model's own parameters, so Lightning's
         toggle_optimizer and anything else reading ``param_groups`` sees the model.
         """
-        for group, masters in zip(self.param_groups, self._group_masters()):
-            group["params"] = [m for m in masters if skip is None or id(m) not in skip]
+        for group, masters in zip(self.param_groups, masters_per_group):
+            group["params"] = masters
         try:
             yield
         finally:
@@ -510,7 +495,8 @@ class ZeroOptimizer(ShardedOptimizer):
             collectives: the data-parallel group's collectives.
             config: ZeRO settings.
             param_dtype: the dtype the model's parameters are held and computed in (bf16/fp16 for
-                mixed precision); the master shard is always fp32. ``None`` keeps their dtype.
+                mixed precision); the master shard is fp32, or the parameter's dtype where that is
+                wider (float64). ``None`` keeps their dtype.
             loss_scaler: for fp16: gradients arrive multiplied by its scale; steps whose gradients
                 overflow on any rank are skipped and reported to it.
         """
@@ -524,7 +510,12 @@ class ZeroOptimizer(ShardedOptimizer):
         self._launch_cursor = 0
         self._backward_task: int | None = None  # the autograd graph task whose gradients arrive now
         self._backward_synced = True
-        self._staging = {id(b.master): b.staging for b in self.buckets if b.staging is not None}
+        self._staging = {
+            id(piece.holder): bucket.staging[_offset_in(piece.holder, bucket.master) :][: piece.holder.numel()]
+            for bucket in self.buckets
+            if bucket.staging is not None
+            for piece in bucket.pieces
+        }
         self.comm_device = next(iter(self._slot_of), torch.zeros(0)).device
         self._finish_init(len(self._slot_of))
 
@@ -561,15 +552,14 @@ class ZeroOptimizer(ShardedOptimizer):
                     rank=self.collectives.rank,
                     keep_grad_buffers=self.config.stage == 1,
                     device=device,
-                    param_dtype=self.param_dtype,
-                    grad_dtype=self.config.reduce_torch_dtype,
+                    param_dtype=held_dtype(dtype, self.param_dtype),
+                    grad_dtype=reduce_dtype_for(dtype, self.config.reduce_torch_dtype),
                     offload=self.config.offload_optimizer,
                 )
-                for entries in by_dtype.values()
+                for dtype, entries in by_dtype.items()
             ]
             for buffer in group_buffers:
                 for bucket in buffer.buckets:
-                    bucket.master.grad = bucket.master_grad
                     for slot in bucket.slots:
                         self._slot_of[slot.param] = (buffer, bucket, slot)
             self.buffers.append(group_buffers)
@@ -593,29 +583,22 @@ class ZeroOptimizer(ShardedOptimizer):
         return (bucket.master_grad for bucket in self.buckets)
 
     def _group_masters(self) -> list[list[Tensor]]:
-        return [[bucket.master for buffer in group_buffers for bucket in buffer.buckets] for group_buffers in self.buffers]
+        return self._trained_masters(torch.ones(len(self._slot_of), dtype=torch.bool))
 
-
-    def _param_names(self) -> dict[int, str]:
-        return {slot.index: slot.name for _, _, slot in self._slot_of.values()}
+    def _trained_masters(self, had_grad: Tensor) -> list[list[Tensor]]:
+        return [
+            [
+                piece.holder
+                for buffer in group_buffers
+                for bucket in buffer.buckets
+                for slot, piece in zip(bucket.slots, bucket.pieces)
+                if had_grad[slot.index]
+            ]
+            for group_buffers in self.buffers
+        ]
 
     def param_pieces(self) -> list[ParamPiece]:
-        pieces = []
-        rank, world = self.collectives.rank, self.collectives.world_size
-        for bucket in self.buckets:
-            chunk = bucket.shard_numel
-            for slot in bucket.slots:
-                start, end = slot.bucket_range.start, slot.bucket_range.end
-                # rank r's chunk of the bucket, intersected with this parameter, in its own index space
-                ranges = tuple(
-                    Range(min(max(r * chunk, start), end) - start, max(min((r + 1) * chunk, end), start) - start)
-                    for r in range(world)
-                )
-                own = ranges[rank]
-                offset = start + own.start - rank * chunk  # where the own range starts in the master chunk
-                in_holder = Range(offset, offset + own.size) if own.size else Range(0, 0)
-                pieces.append(ParamPiece(slot.param, slot.name, ranges, bucket.master, in_holder))
-        return pieces
+        return [piece for bucket in self.buckets for piece in bucket.pieces]
 
     def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
         grads: list[Tensor | None] = [bucket.master_grad for bucket in self.buckets]
@@ -657,7 +640,7 @@ class ZeroOptimizer(ShardedOptimizer):
         ``keep=False`` this rank only takes part and gets {})."""
         values: dict[nn.Parameter, Tensor] = {}
         for bucket in self.buckets:
-            full = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.comm_device)
+            full = torch.empty(bucket.padded_numel, dtype=bucket.master.dtype, device=self.comm_device)
             self.collectives.all_gather(full, bucket.master.to(self.comm_device)).wait()
             if keep:
                 for slot in bucket.slots:
@@ -717,10 +700,17 @@ class ZeroOptimizer(ShardedOptimizer):
         self._sync_state = SyncState.SYNCED
 
     def _publish_params(self) -> None:
+        # A bucket's staging holds the new low-precision values only if the C++ step wrote every
+        # piece of it (a skipped parameter's piece was not written): else the master is cast.
+        staged = {
+            id(bucket.master)
+            for bucket in self.buckets
+            if all(id(piece.holder) in self._fused_last for piece in bucket.pieces)
+        }
         handles = [
             handle
             for buffer in self.flat_buffers
-            for handle in buffer.start_all_gather(self.collectives, staged=self._fused_last)
+            for handle in buffer.start_all_gather(self.collectives, staged=staged)
         ]
         with torch.profiler.record_function("zero::wait_all_gather"):
             for handle in handles:
@@ -740,17 +730,28 @@ class ZeroOptimizer(ShardedOptimizer):
         state: dict[int, dict[str, Any]] = {}
         index_of = self._param_indices()
         for bucket in self.buckets:
-            shard_state = self.optimizer.state.get(bucket.master, {})
-            for key in sorted(shard_state):
-                value = shard_state[key]
+            # Every rank holds state for the same pieces (the step decisions are agreed), so the
+            # keys, and with them the collectives below, are the same on every rank.
+            piece_states = [self.optimizer.state.get(piece.holder, {}) for piece in bucket.pieces]
+            for key in sorted(set().union(*piece_states)):
+                per_element = _is_per_element(bucket.pieces, piece_states, key)
                 full = None
-                if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.shard_numel:
-                    full = torch.empty(bucket.padded_numel, dtype=value.dtype, device=self.comm_device)
-                    self.collectives.all_gather(full, value.to(self.comm_device).contiguous()).wait()
+                if per_element:
+                    # One all-gather per bucket and key: the pieces' state tensors tile the chunk.
+                    dtype = next(s[key].dtype for s in piece_states if key in s)
+                    chunk = torch.cat([
+                        s[key] if key in s else torch.zeros_like(piece.holder, dtype=dtype)
+                        for piece, s in zip(bucket.pieces, piece_states)
+                    ])
+                    full = torch.empty(bucket.padded_numel, dtype=dtype, device=self.comm_device)
+                    self.collectives.all_gather(full, chunk.to(self.comm_device)).wait()
                 if not keep:
                     continue
-                for slot in bucket.slots:
+                for slot, piece_state in zip(bucket.slots, piece_states):
+                    if key not in piece_state:
+                        continue
                     entry = state.setdefault(index_of[slot.param], {})
+                    value = piece_state[key]
                     if full is not None:
                         entry[key] = slot.bucket_range.slice(full).view_as(slot.param).cpu().clone()
                     else:
@@ -759,69 +760,59 @@ class ZeroOptimizer(ShardedOptimizer):
 
     @torch.no_grad()
     def load_master_values(self, values: dict[nn.Parameter, Tensor]) -> None:
-        """Sets the fp32 masters of the given parameters from their whole values (no communication:
-        each rank takes its chunk), e.g. from a full checkpoint."""
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                value = values.get(slot.param)
-                if value is not None:
-                    self._scatter_into_shard(bucket, slot, value.to(bucket.master.device, torch.float32), bucket.master)
+        """Sets the masters of the given parameters from their whole values (no communication:
+        each rank takes its piece), e.g. from a full checkpoint."""
+        rank = self.collectives.rank
+        for piece in self.param_pieces():
+            value = values.get(piece.param)
+            if value is not None:
+                piece.master.copy_(piece.ranges[rank].slice(value.reshape(-1)))
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Loads a full-format state (from any world size, or from plain torch.optim) into this rank's shards."""
+        """Loads a full-format state (from any world size, or from plain torch.optim) into this rank's pieces."""
         saved_index = self._begin_load(state_dict)
         saved_state: dict[Any, dict[str, Any]] = state_dict["state"]
-        for bucket in self.buckets:
-            self._load_bucket_state(bucket, saved_state, saved_index)
+        rank = self.collectives.rank
+        on_device = self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable")
+        for piece in self.param_pieces():
+            saved = saved_state.get(saved_index[piece.param])
+            if not saved:
+                continue  # nothing was saved for this parameter: a fresh optimizer state, as in torch
+            entry: dict[str, Any] = {}
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    if value.shape != piece.param.shape:
+                        raise ValueError(
+                            f"Optimizer state '{key}' of parameter '{piece.name}' has shape {tuple(value.shape)},"
+                            f" but the parameter has shape {tuple(piece.param.shape)}: the state comes from a"
+                            " different model."
+                        )
+                    # Padding (in the last piece of a bucket) starts at zero, as in a fresh state.
+                    target = torch.zeros_like(piece.holder)
+                    piece.in_holder.slice(target).copy_(piece.ranges[rank].slice(value.reshape(-1)))
+                    entry[key] = target
+                elif isinstance(value, Tensor):
+                    # Per-parameter scalars such as Adam's step count; fused/capturable optimizers
+                    # keep them on the parameters' device.
+                    entry[key] = value.clone().to(piece.holder.device) if on_device else value.clone()
+                else:
+                    entry[key] = value
+            self.optimizer.state[piece.holder] = entry
 
-    def _load_bucket_state(
-        self, bucket: Bucket, saved_state: dict[Any, dict[str, Any]], saved_index: dict[nn.Parameter, Any]
-    ) -> None:
-        entries = {slot.param: saved_state.get(saved_index[slot.param]) for slot in bucket.slots}
-        present = [entry for entry in entries.values() if entry]
-        if not present:
-            return  # nothing was saved for these parameters: a fresh optimizer state
-        shard_state: dict[str, Any] = {}
-        for key, value in present[0].items():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                shard_state[key] = torch.zeros_like(bucket.master)
-            elif isinstance(value, Tensor):
-                # Per-parameter scalars such as Adam's step count are one value for the whole shard;
-                # fused/capturable optimizers keep them on the parameters' device.
-                on_device = self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable")
-                shard_state[key] = value.clone().to(bucket.master.device) if on_device else value.clone()
-            else:
-                shard_state[key] = value
-        for slot in bucket.slots:
-            entry = entries[slot.param]
-            if not entry:
-                continue
-            for key, target in shard_state.items():
-                if not isinstance(target, Tensor) or target.shape != bucket.master.shape:
-                    continue
-                value = entry.get(key)
-                if not isinstance(value, Tensor) or value.shape != slot.param.shape:
-                    raise ValueError(
-                        f"Optimizer state '{key}' of parameter '{slot.name}' has shape"
-                        f" {tuple(value.shape) if isinstance(value, Tensor) else value!r}, but the parameter has"
-                        f" shape {tuple(slot.param.shape)}: the state comes from a different model."
-                    )
-                self._scatter_into_shard(bucket, slot, value, target)
-        self.optimizer.state[bucket.master] = shard_state
 
-    @staticmethod
-    def _scatter_into_shard(bucket: Bucket, slot: ParamSlot, value: Tensor, shard: Tensor) -> None:
-        """Copies the part of a full per-parameter tensor that falls in this rank's chunk of the bucket."""
-        chunk_start = bucket.rank * bucket.shard_numel
-        start = max(slot.bucket_range.start, chunk_start)
-        end = min(slot.bucket_range.end, chunk_start + bucket.shard_numel)
-        if start >= end:
-            return
-        flat = value.reshape(-1)
-        shard[start - chunk_start : end - chunk_start].copy_(
-            flat[start - slot.bucket_range.start : end - slot.bucket_range.start]
-        )
+def _is_per_element(pieces: Sequence[ParamPiece], states: Sequence[Mapping[str, Any]], key: str) -> bool:
+    """Whether state ``key`` has one value per element of its piece (moments) or is a scalar (step)."""
+    for piece, state in zip(pieces, states):
+        value = state.get(key)
+        if value is not None:
+            return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == piece.holder.numel()
+    return False
+
+
+def _offset_in(view: Tensor, base: Tensor) -> int:
+    """Where the 1-d ``view`` starts inside ``base``, the tensor it is a slice of."""
+    return view.storage_offset() - base.storage_offset()
 
 
 def _check_full_optimizer_state(

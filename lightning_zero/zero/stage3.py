@@ -58,7 +58,7 @@ from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
 from lightning_zero.zero.consistency import RanksDisagreeError
-from lightning_zero.zero.flat_buffer import Range, _round_up
+from lightning_zero.zero.flat_buffer import Range, _round_up, held_dtype, master_dtype, reduce_dtype_for
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, SyncState
 
 
@@ -130,21 +130,6 @@ class ShardedParam:
     @property
     def master_grad(self) -> Tensor:
         return self.shard_range.slice(self.unit.master_grad)
-
-
-def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """fp32, or the parameter's own dtype when it is wider."""
-    return param_dtype if param_dtype.itemsize > 4 else torch.float32
-
-
-def unit_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype a parameter is held in: the precision's ``param_dtype``, except for parameters
-    wider than 32 bits, which keep theirs (see [Note: one unit per dtype])."""
-    return dtype if param_dtype is None or dtype.itemsize > 4 else param_dtype
-
-
-def _reduce_dtype(grad_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype.itemsize > grad_dtype.itemsize and dtype.itemsize > 4 else grad_dtype
 
 
 def _unit_name(base: str, dtype: torch.dtype, first: torch.dtype | None) -> str:
@@ -547,7 +532,7 @@ class Zero3Engine:
         persistent: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for param, (unit_prefix, _) in owner_of.items():
             entry = (names[param], param)
-            dtype = unit_dtype(param.dtype, param_dtype)
+            dtype = held_dtype(param.dtype, param_dtype)
             if param.numel() < persistence_threshold:
                 persistent.setdefault(dtype, []).append(entry)
             else:
@@ -577,7 +562,7 @@ class Zero3Engine:
         for prefix, name, unit_module, dtype, entries, is_persistent in named_groups:
             master_device = placement.place(sum(p.numel() for _, p in entries) // world)
             unit = ShardedUnit(name, unit_module, entries, index, world, rank, self.device, dtype,
-                               _reduce_dtype(grad_dtype, dtype), persistent=is_persistent,
+                               reduce_dtype_for(dtype, grad_dtype), persistent=is_persistent,
                                master_device=master_device, shard_device=shard_device, pin=pin,
                                offloaded=self.offload_optimizer is not None and master_device == CPU)
             unit.prefix = prefix
@@ -1235,8 +1220,11 @@ class Zero3Optimizer(ShardedOptimizer):
     def _group_masters(self) -> list[list[Tensor]]:
         return [[self._master_of[id(sp)][0] for sp in members] for members in self.groups]
 
-    def _param_names(self) -> dict[int, str]:
-        return {self._local_index[id(sp)]: sp.name for sp in self.params}
+    def _trained_masters(self, had_grad: Tensor) -> list[list[Tensor]]:
+        return [
+            [self._master_of[id(sp)][0] for sp in members if had_grad[self._local_index[id(sp)]]]
+            for members in self.groups
+        ]
 
     def param_pieces(self) -> list[ParamPiece]:
         return [sp.piece(self._master_of[id(sp)][0]) for sp in self.params]

@@ -1,0 +1,227 @@
+"""Parameters without a gradient in a step are skipped as torch.optim skips them, at every stage.
+
+A LayerDrop model (a block skipped on every rank in some steps, by a rule all ranks share) and a
+tiny MoE (top-1 routing: one expert gets tokens on rank 0 only, another on no rank in most steps)
+train with AdamW (and SGD with momentum) at stages 1, 2, 3 and with offload, with and without
+gradient accumulation; weights and the torch-format optimizer state, step counts included, must
+equal DDP(find_unused_parameters=True) with the same optimizer. Two gloo ranks, one spawn.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+
+from harness import run_on_ranks
+from lightning_zero import CPUOffloadPolicy, ZeroConfig, ZeroStrategy
+from models import TiedGPT, TinyGPT, fit, max_abs_diff, params_of
+
+WORLD = 2
+STEPS = 6
+TOLERANCE = 1e-5
+EXPERTS = 4
+# Stage 3: every rank must run the same units; the MoE layer (experts used on some ranks only)
+# lives in the root unit, the LayerDrop blocks are units of their own, skipped on every rank.
+BLOCK_UNITS = ("TransformerEncoderLayer",)
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "zero1": {"stage": 1, "reduce_bucket_size": 500},
+    "zero2": {"stage": 2, "reduce_bucket_size": 500},
+    "zero3": {"stage": 3, "unit_modules": BLOCK_UNITS},
+    "zero2_offload": {"stage": 2, "reduce_bucket_size": 500, "offload_optimizer": CPUOffloadPolicy()},
+    "zero3_offload": {"stage": 3, "unit_modules": BLOCK_UNITS, "offload_optimizer": CPUOffloadPolicy(),
+                      "offload_params": CPUOffloadPolicy()},
+}
+
+
+class SGDMixin:
+    """configure_optimizers with SGD + momentum (and weight decay) instead of AdamW."""
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2]  # type: ignore[attr-defined]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]  # type: ignore[attr-defined]
+        return torch.optim.SGD([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                               lr=0.05, momentum=0.9)
+
+
+class LayerDropGPT(TiedGPT):
+    """Block i is skipped when (optimizer step + i) % 3 == 0, on every rank; block 1 also on every
+    odd micro-batch (so, with accumulation, it gets a gradient in one micro-batch of two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_idx = 0
+        self.used: list[list[bool]] = []  # per micro-batch: which blocks ran
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.batch_idx = batch_idx
+        return super().training_step(batch, batch_idx)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        step = self.trainer.global_step
+        use = [(step + i) % 3 != 0 and not (i == 1 and self.batch_idx % 2 == 1) for i in range(len(self.blocks))]
+        self.used.append(use)
+        hidden = self.embed(tokens)
+        for block, run in zip(self.blocks, use):
+            if run:
+                hidden = block(hidden)
+        return self.head(self.norm(hidden))
+
+
+class TinyMoE(TinyGPT):
+    """A block, then a top-1 MoE layer: each token goes to the expert with the largest router
+    logit among those it may use. Tokens t with t % 4 == 2 must use expert 2, which exists on
+    rank 0 only (a gradient on one rank); tokens with t % 4 == 3 must use expert 3, which is open
+    only on steps with step % 3 == 0 (no token on any rank otherwise); all others pick 0 or 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = self.norm.normalized_shape[0]
+        self.router = nn.Linear(width, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(EXPERTS))
+        self.routed: list[list[int]] = []  # per micro-batch: tokens per expert on this rank
+
+    def _allowed(self, tokens: Tensor) -> Tensor:
+        rank, step = self.trainer.global_rank, self.trainer.global_step
+        kind = tokens % 4
+        allowed = torch.zeros(*tokens.shape, EXPERTS, dtype=torch.bool)
+        allowed[..., 0] = allowed[..., 1] = kind < 2
+        allowed[..., 2] = kind == 2 if rank == 0 else False
+        allowed[..., 3] = kind == 3 if step % 3 == 0 else False
+        # a token whose expert is closed here falls back to experts 0 and 1
+        closed = ~allowed.any(-1)
+        allowed[..., 0] |= closed
+        allowed[..., 1] |= closed
+        return allowed
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.block(self.embed(tokens))
+        logits = self.router(hidden).masked_fill(~self._allowed(tokens), float("-inf"))
+        probs = logits.softmax(-1)
+        choice = probs.argmax(-1)
+        gate = probs.gather(-1, choice.unsqueeze(-1))
+        mixed = torch.zeros_like(hidden)
+        counts = []
+        for number, expert in enumerate(self.experts):
+            chosen = choice == number
+            counts.append(int(chosen.sum()))
+            if counts[-1]:
+                mixed[chosen] = gate[chosen] * expert(hidden[chosen])
+        self.routed.append(counts)
+        return self.head(self.norm(hidden + mixed))
+
+
+class SGDMoE(SGDMixin, TinyMoE):
+    pass
+
+
+class FinalOptimizerState(Callback):
+    """The optimizer state in torch's format at the end of training (rank 0's)."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] | None = None
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        if hasattr(optimizer, "consolidate_state_dict"):
+            optimizer.consolidate_state_dict()  # a collective
+        self.state = copy.deepcopy(optimizer.state_dict()) if trainer.is_global_zero else None
+
+
+def _run(module_class: type, strategy: Any, accumulate: int) -> dict[str, Any]:
+    pl.seed_everything(0)
+    module = module_class()
+    final = FinalOptimizerState()
+    fit(module, strategy, WORLD, steps=STEPS, accumulate_grad_batches=accumulate, callbacks=[final])
+    usage = getattr(module, "used", None) or getattr(module, "routed")
+    return {"params": params_of(module), "optimizer": final.state, "losses": module.losses, "usage": usage}
+
+
+def _cases() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for model_name, module_class in (("layerdrop", LayerDropGPT), ("moe", TinyMoE)):
+        for accumulate in (1, 2):
+            key = f"{model_name}_acc{accumulate}"
+            out[f"{key}_ddp"] = _run(module_class, "ddp_find_unused_parameters_true", accumulate)
+            for name, config in STRATEGIES.items():
+                out[f"{key}_{name}"] = _run(module_class, ZeroStrategy(config=ZeroConfig(**config)), accumulate)
+    for accumulate in (1, 2):
+        out[f"sgd_acc{accumulate}_ddp"] = _run(SGDMoE, "ddp_find_unused_parameters_true", accumulate)
+        for name in ("zero2", "zero3"):
+            out[f"sgd_acc{accumulate}_{name}"] = _run(SGDMoE, ZeroStrategy(config=ZeroConfig(**STRATEGIES[name])),
+                                                       accumulate)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_on_ranks(_cases, WORLD)
+
+
+def _assert_optimizer_states_match(zero: dict[str, Any], ddp: dict[str, Any]) -> None:
+    assert [g["params"] for g in zero["param_groups"]] == [g["params"] for g in ddp["param_groups"]]
+    # A parameter that never got a gradient has no state in torch; nor in ZeRO.
+    assert zero["state"].keys() == ddp["state"].keys()
+    for index, ddp_entry in ddp["state"].items():
+        assert zero["state"][index].keys() == ddp_entry.keys(), index
+        for key, value in ddp_entry.items():
+            mine = zero["state"][index][key]
+            if key == "step":
+                assert float(mine) == float(value), (index, float(mine), float(value))
+            else:
+                assert mine.shape == value.shape and (mine - value).abs().max() <= TOLERANCE, (index, key)
+
+
+def _assert_matches(zero: dict[str, Any], ddp: dict[str, Any]) -> None:
+    assert len(zero["losses"]) == len(ddp["losses"]) > 0
+    assert max(abs(a - b) for a, b in zip(zero["losses"], ddp["losses"])) <= TOLERANCE
+    assert max_abs_diff(zero["params"], ddp["params"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["acc1", "acc2"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("model", ["layerdrop", "moe"])
+def test_adamw_skips_parameters_without_gradient_like_ddp(
+    results: list[dict[str, Any]], model: str, strategy: str, accumulate: int
+) -> None:
+    key = f"{model}_acc{accumulate}"
+    for per_rank in results:
+        _assert_matches(per_rank[f"{key}_{strategy}"], per_rank[f"{key}_ddp"])
+    zero, ddp = results[0][f"{key}_{strategy}"]["optimizer"], results[0][f"{key}_ddp"]["optimizer"]
+    _assert_optimizer_states_match(zero, ddp)
+    # skipping happened: some parameter was stepped fewer times than the others
+    steps = {float(entry["step"]) for entry in ddp["state"].values()}
+    assert max(steps) == STEPS and min(steps) < STEPS
+
+
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["acc1", "acc2"])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_sgd_momentum_skips_parameters_without_gradient_like_ddp(
+    results: list[dict[str, Any]], strategy: str, accumulate: int
+) -> None:
+    key = f"sgd_acc{accumulate}"
+    for per_rank in results:
+        _assert_matches(per_rank[f"{key}_{strategy}"], per_rank[f"{key}_ddp"])
+    zero, ddp = results[0][f"{key}_{strategy}"]["optimizer"], results[0][f"{key}_ddp"]["optimizer"]
+    _assert_optimizer_states_match(zero, ddp)
+    assert all("momentum_buffer" in entry for entry in ddp["state"].values())
+
+
+def test_the_models_exercise_the_cases(results: list[dict[str, Any]]) -> None:
+    """The rules above do produce what the tests claim to cover."""
+    for accumulate in (1, 2):
+        used = results[0][f"layerdrop_acc{accumulate}_ddp"]["usage"]
+        per_step = [used[i : i + accumulate] for i in range(0, len(used), accumulate)]
+        # a block without a gradient on any rank (the rule is rank-independent) in some steps
+        assert any(not any(micro[0] for micro in step) for step in per_step)
+        assert any(not any(micro[1] for micro in step) for step in per_step)
+        routed = [results[rank][f"moe_acc{accumulate}_ddp"]["usage"] for rank in range(WORLD)]
+        # expert 2: tokens on rank 0, none on rank 1; expert 3: no token on any rank in some steps
+        assert all(counts[2] > 0 for counts in routed[0]) and all(counts[2] == 0 for counts in routed[1])
+        assert any(counts[3] > 0 for counts in routed[0])
+        assert any(all(r[i][3] == 0 for r in routed) for i in range(len(routed[0])))
