@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import sys
 import time
 
@@ -42,7 +43,7 @@ def _signature(outcome: rm.Outcome) -> str:
     if outcome.kind == "mismatch":
         return "mismatch: " + outcome.error.split(":", 1)[-1].split(" differs")[0].strip().split(".")[-1] + " differs"
     line = rm.first_line_of_error(outcome)
-    return outcome.kind + ": " + "".join("#" if ch.isdigit() else ch for ch in line)[:160]
+    return outcome.kind + ": " + re.sub(r"\d+", "#", line)[:160]
 
 
 def main() -> int:

@@ -8,6 +8,10 @@ One group of ranks per world size trains all of that size's cases (a failing or 
 restarts the group for the cases after it, so it costs only itself). A failure prints the case,
 the error and the one-line command that reruns just that seed. The long run is
 ``python benchmarks/soak_differential.py --cases 500 --seed 0``.
+
+Cost: 23 default cases + 2 mixed-dtype cases + 9 known-broken cases, measured at about 3 minutes
+on 2 shared cores (most of it starting the groups of 3 and 4 ranks, and restarting groups after
+the known-broken cases); each case itself trains in about a second.
 """
 
 from __future__ import annotations
