@@ -53,16 +53,25 @@ class Collectives:
         # Agreement exchanges (see [Note: ranks that disagree] in consistency.py) run on CPU tensors:
         # over a gloo group beside NCCL, so that they never wait for the device.
         self._control_group = group
-        if "gloo" not in self.backend and self.world_size > 1:
+        self._reduce_group = group
+        if self.world_size > 1:
             ranks = dist.get_process_group_ranks(group) if group is not None else None
-            self._control_group = dist.new_group(ranks=ranks, backend="gloo")
+            if "gloo" not in self.backend:
+                self._control_group = dist.new_group(ranks=ranks, backend="gloo")
+            # [Note: reductions on their own group] Gradient reductions run in one fixed order on
+            # every rank ([Note: one launch order]), but a rank without some gradient launches a
+            # reduction later than the others, so relative to the all-gathers (stage 3's backward
+            # gathers) and the small collectives in between, ranks would issue them in different
+            # orders, which pairs unrelated collectives up (a hang). On a group of their own the
+            # reductions only need to agree among themselves.
+            self._reduce_group = dist.new_group(ranks=ranks, backend=self.backend)
 
     def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
         """Sums ``input`` (shape [world * n]) over ranks; rank r receives elements [r*n, (r+1)*n)."""
         if self.world_size == 1:
             output.copy_(input)
             return _Done()
-        return _reduce_scatter_single(output, input, group=self.group, async_op=True)
+        return _reduce_scatter_single(output, input, group=self._reduce_group, async_op=True)
 
     def all_gather(self, output: Tensor, input: Tensor) -> Handle:
         """Concatenates every rank's ``input`` (shape [n]) into ``output`` (shape [world * n])."""

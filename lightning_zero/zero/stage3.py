@@ -215,7 +215,8 @@ class ShardedUnit:
         self.refcount = 0
         self.ready = 0
         self.ready_to_reduce = False
-        self.pending_input_grads = 0  # frozen units: calls whose input gradients are still to come
+        self.pending_input_grads = 0  # units with frozen parameters: calls whose input gradients are still to come
+        self.grads_complete = False  # every trainable parameter's gradient of this backward has arrived
         self.trainable_count = len(self.params)
         self.reducing = False
         self._gather_out: Tensor | None = None
@@ -730,7 +731,7 @@ class Zero3Engine:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, lambda grads, unit=unit: self._pre_backward(unit), mode="any"
                     )
-                    if unit.trainable_count == 0:
+                    if unit.trainable_count < len(unit.params):
                         self._release_after_input_grads(unit, args)
             return output
 
@@ -762,8 +763,10 @@ class Zero3Engine:
         return post_forward
 
     def _release_after_input_grads(self, unit: ShardedUnit, args: Any) -> None:
-        """A frozen unit gets no parameter gradient to say its backward is over; the gradients of
-        its inputs do (as FSDP2 releases after backward), once for every call of the unit."""
+        """A frozen parameter gets no gradient to say its backward is over, yet backward may still
+        need it for the gradient of the unit's input (a frozen layer before the trainable ones); the
+        gradients of its inputs say so (as FSDP2 releases after backward), once for every call of
+        the unit. A unit with trainable parameters too waits for both."""
         inputs = [t for t in tree_flatten(args)[0] if isinstance(t, Tensor) and t.requires_grad]
         if not inputs:
             return
@@ -771,7 +774,7 @@ class Zero3Engine:
 
         def done(grads: Any) -> None:
             unit.pending_input_grads -= 1
-            if unit.pending_input_grads == 0:
+            if unit.pending_input_grads == 0 and (unit.trainable_count == 0 or unit.grads_complete):
                 self._done_with_backward(unit)
 
         torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all")
@@ -878,10 +881,12 @@ class Zero3Engine:
         unit.ready += 1
         if unit.ready == unit.trainable_count:
             unit.ready = 0
+            unit.grads_complete = True
             if self._backward_synced:
                 unit.ready_to_reduce = True
                 self._launch_ready_reductions()
-            self._done_with_backward(unit)
+            if unit.pending_input_grads == 0:
+                self._done_with_backward(unit)
 
     def _start_backward(self, task: int) -> None:
         """A new backward: the previous one's unlaunched reductions go first, so that every rank
@@ -889,6 +894,7 @@ class Zero3Engine:
         self._launch_remaining()
         for unit in self.units:
             unit.ready = 0
+            unit.grads_complete = False
         self._backward_task = task
         self._backward_synced = self.sync_enabled
 
@@ -944,6 +950,7 @@ class Zero3Engine:
         for unit in self.units:
             unit.ready = 0  # a parameter without a gradient must not count toward the next backward
             unit.pending_input_grads = 0
+            unit.grads_complete = False
         if self._forward_order or self._backward_order:
             self._recording = False
         self._forward_calls = 0
