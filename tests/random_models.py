@@ -51,7 +51,8 @@ FP32_TOLERANCE = 1e-5
 BF16_PARAM_TOLERANCE = 4 * 2**-8  # relative to max(|reference|, 1)
 BF16_CASE_TOLERANCE = 1e-3  # every other parameter of a case with a bf16 parameter
 
-# Features known not to work on main (issue numbers in the test file's xfail reasons).
+# Features the drawn cases leave out; a case with one enabled always exercises it. They were the
+# bugs (a)-(f) this test found or was written for (see the reasons in test_differential.py), all fixed.
 NO_GRAD_ANYWHERE = "no_grad_anywhere"  # (a) a trainable parameter with no gradient on any rank in a step
 MIXED_DTYPES = "mixed_dtypes"  # (b) float64 and bf16 parameters beside fp32 ones
 RANK_STRUCTURE = "rank_structure"  # (c) rank 0 builds an extra layer: a clear error expected

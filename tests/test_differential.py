@@ -9,9 +9,9 @@ restarts the group for the cases after it, so it costs only itself). A failure p
 the error and the one-line command that reruns just that seed. The long run is
 ``python benchmarks/soak_differential.py --cases 500 --seed 0``.
 
-Cost: 23 default cases + 2 mixed-dtype cases + 9 known-broken cases, measured at about 3 minutes
-on 2 shared cores (most of it starting the groups of 3 and 4 ranks, and restarting groups after
-the known-broken cases); each case itself trains in about a second.
+Cost: 23 default cases + 2 mixed-dtype cases + 9 cases that each force one feature the drawn
+cases leave out (the bugs (a)-(f) this test was written to catch, all fixed), under a minute on 2
+idle cores (most of it starting the groups of 3 and 4 ranks); each case trains in about a second.
 """
 
 from __future__ import annotations
@@ -44,24 +44,22 @@ _MIXED = Features.with_enabled([rm.MIXED_DTYPES])
 MIXED_WORKING = [*_first(range(6000, 6100), _MIXED, 1, lambda c: c.stage < 3 and c.offload == "none" and c.bf16_gain, 1),
                  *_first(range(6100, 6200), _MIXED, 2, lambda c: c.stage < 3 and c.offload == "none", 1)]
 
-_A = ("(a) a trainable parameter without a gradient on any rank in a step is an error at every stage"
-      " (torch.optim skips it); being fixed")
-_B = ("(b) several parameter dtypes: stage 3 refuses them ('needs the module's parameters in one dtype'), and"
-      " with offload_optimizer the fused CPU Adam refuses a float64 parameter; being fixed")
-_D = ("(d) found by this test: a parameter used on some ranks only hangs at stages 1/2 with"
-      " reduce_every_micro_step=True and gradient accumulation (the ranks' collectives go out of step)")
-_E = ("(e) found by this test: a parameter used on some ranks only hangs at stage 3 when units other than the root"
-      " exist: the rank that used it reduces its unit early, the others at the end of backward")
-_F = ("(f) found by this test: at stage 3 a frozen module that runs before a trainable one in the same unit"
-      " crashes backward ('setStorage: ... out of bounds for storage of size 0'): the unit is freed once its"
-      " trainable gradients are in, though the frozen weight is still needed for the input gradient")
+_A = "(a) a trainable parameter without a gradient on any rank in a step (torch.optim skips it)"
+_B = "(b) several parameter dtypes (float64 and bf16 beside fp32), at stage 3 and with offload_optimizer"
+_D = ("(d) a parameter used on some ranks only at stages 1/2 with reduce_every_micro_step=True and accumulation"
+      " (hung: the reductions went out of step with the other collectives)")
+_E = ("(e) a parameter used on some ranks only at stage 3 beside other units (hung: the rank that used it reduced"
+      " its unit before a backward all-gather, the others after)")
+_F = ("(f) at stage 3 a frozen module before a trainable one in the same unit (crashed: the unit was freed once its"
+      " trainable gradients were in, though backward still needed the frozen weight)")
 
-# Known-broken features, written as cases that start passing when the fixes land. The last case
-# of a group is a known-broken one, so its failure costs no restart of the group.
-KNOWN_BROKEN: list[tuple[Case, str, float]] = [
+# Cases that each force one feature (see random_models.FEATURE_CASES), regressions of the bugs
+# (a)-(f); the reasons say what each one exercises. The last case of a group is one of them, so
+# a failure costs no restart of the group.
+FEATURE_CASES: list[tuple[Case, str, float]] = [
     *[(make_case(seed, Features.with_enabled([rm.NO_GRAD_ANYWHERE]), world_size=world), _A, CASE_TIMEOUT_S)
       for seed, world in ((5001, 1), (5002, 1), (5003, 2))],
-    # stage 3 (refused) and stages 1/2 with offload_optimizer (the fused CPU Adam and float64)
+    # stage 3, and stages 1/2 with offload_optimizer (the fused CPU Adam and float64)
     *[(case, _B, CASE_TIMEOUT_S) for case in _first(range(6200, 6300), _MIXED, 1, lambda c: c.stage == 3, 1)
       + _first(range(6300, 6400), _MIXED, 1, lambda c: c.stage < 3 and c.offload != "none" and c.optimizer == "adamw", 1)],
     *[(case, _D, HANG_TIMEOUT_S) for case in _first(range(7000, 7010), Features.with_enabled(
@@ -86,7 +84,7 @@ def _outcome(case: Case) -> Outcome:
         for timeout in (CASE_TIMEOUT_S, HANG_TIMEOUT_S):
             # Working cases first: a known-broken one may restart the group.
             group = [c for c in DEFAULT + MIXED_WORKING if c.world_size == case.world_size and timeout == CASE_TIMEOUT_S]
-            group += [c for c, _, t in KNOWN_BROKEN if c.world_size == case.world_size and t == timeout]
+            group += [c for c, _, t in FEATURE_CASES if c.world_size == case.world_size and t == timeout]
             if case.world_size == RANK_STRUCTURE_CASE.world_size and timeout == HANG_TIMEOUT_S:
                 group.append(RANK_STRUCTURE_CASE)
             group = [c for c in group if _key(c) not in _OUTCOMES]
@@ -102,8 +100,7 @@ def _id(case: Case) -> str:
 
 
 PARAMS: list[Any] = [pytest.param(case, id=_id(case)) for case in DEFAULT + MIXED_WORKING] + [
-    pytest.param(case, id=_id(case), marks=pytest.mark.xfail(strict=False, reason=reason))
-    for case, reason, _ in KNOWN_BROKEN
+    pytest.param(case, id=_id(case)) for case, _, _ in FEATURE_CASES
 ]
 
 
@@ -114,16 +111,15 @@ def test_matches_ddp(case: Case) -> None:
     assert case.has_bf16 or outcome.max_diff <= rm.FP32_TOLERANCE
 
 
-@pytest.mark.xfail(strict=False, reason="(c) ranks whose model structure differs crash gloo (SIGABRT, 'Received data"
-                   " size doesn't match expected size') or die with its connection errors; no clear error names it")
 def test_rank_dependent_structure_is_a_clear_error() -> None:
+    """(c) used to crash gloo (SIGABRT, 'Received data size doesn't match expected size')."""
     outcome = _outcome(RANK_STRUCTURE_CASE)
     assert not outcome.ok and outcome.kind == "error", outcome.report()
     message = rm.first_line_of_error(outcome)
     # A clear error comes from lightning_zero and says that the ranks' models differ, not gloo's
     # "collective mismatch" or a dead peer's connection reset.
     assert "gloo" not in message and "exited with code" not in message, outcome.report()
-    assert "rank" in message.lower(), outcome.report()
+    assert "RanksDisagreeError" in message and "ZeRO needs the same model on every rank" in message, outcome.report()
 
 
 def test_generator_is_a_pure_function_of_the_seed() -> None:
@@ -147,5 +143,5 @@ def test_default_suite_covers_the_axes() -> None:
     assert any(case.unit_modules for case in DEFAULT if case.stage == 3)
     assert any(case.persistence_threshold for case in DEFAULT if case.stage == 3)
     assert not any(case.features.enabled() for case in DEFAULT)
-    assert [rm.case_features(case) for case, _, _ in KNOWN_BROKEN[:3]] and all(
-        case.dead for case, _, _ in KNOWN_BROKEN[:3])
+    assert [rm.case_features(case) for case, _, _ in FEATURE_CASES[:3]] and all(
+        case.dead for case, _, _ in FEATURE_CASES[:3])
