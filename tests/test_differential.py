@@ -9,8 +9,8 @@ restarts the group for the cases after it, so it costs only itself). A failure p
 the error and the one-line command that reruns just that seed. The long run is
 ``python benchmarks/soak_differential.py --cases 500 --seed 0``.
 
-Cost: 23 default cases + 2 mixed-dtype cases + 9 cases that each force one feature the drawn
-cases leave out (the bugs (a)-(f) this test was written to catch, all fixed), under a minute on 2
+Cost: 23 default cases + 2 mixed-dtype cases + 10 cases that each force one feature the drawn
+cases leave out (the bugs (a)-(g) this test was written to catch, all fixed), under a minute on 2
 idle cores (most of it starting the groups of 3 and 4 ranks); each case trains in about a second.
 """
 
@@ -48,6 +48,8 @@ _A = "(a) a trainable parameter without a gradient on any rank in a step (torch.
 _B = "(b) several parameter dtypes (float64 and bf16 beside fp32), at stage 3 and with offload_optimizer"
 _D = ("(d) a parameter used on some ranks only at stages 1/2 with reduce_every_micro_step=True and accumulation"
       " (hung: the reductions went out of step with the other collectives)")
+_G = ("(g) the same at 4 ranks with a layer used on some micro-steps only (gloo aborted: a bucket still reducing"
+      " from the previous micro-step was not reduced again on the ranks without its gradient)")
 _E = ("(e) a parameter used on some ranks only at stage 3 beside other units (hung: the rank that used it reduced"
       " its unit before a backward all-gather, the others after)")
 _F = ("(f) at stage 3 a frozen module before a trainable one in the same unit (crashed: the unit was freed once its"
@@ -64,6 +66,8 @@ FEATURE_CASES: list[tuple[Case, str, float]] = [
       + _first(range(6300, 6400), _MIXED, 1, lambda c: c.stage < 3 and c.offload != "none" and c.optimizer == "adamw", 1)],
     *[(case, _D, HANG_TIMEOUT_S) for case in _first(range(7000, 7010), Features.with_enabled(
         [rm.RANK_USE_EVERY_MICRO_STEP]), 2, lambda c: c.stage < 3, 1)],
+    # found by the soak: seed 12 (4 ranks, a block used on some micro-steps and one used on rank 1)
+    (make_case(12, Features.with_enabled([rm.RANK_USE_EVERY_MICRO_STEP]), world_size=4), _G, CASE_TIMEOUT_S),
     *[(case, _E, HANG_TIMEOUT_S) for case in _first(range(7010, 7100), Features.with_enabled([rm.RANK_USE_WITH_UNITS]),
                                                       2, lambda c: c.stage == 3, 1)],
     *[(case, _F, CASE_TIMEOUT_S) for case in _first(range(7100, 7200), Features.with_enabled([rm.FROZEN_IN_UNIT]),

@@ -49,7 +49,6 @@ from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.flat_buffer import (
     Bucket,
     FlatParamBuffer,
-    GradState,
     held_dtype,
     ParamPiece,
     ParamSlot,
@@ -674,8 +673,11 @@ class ZeroOptimizer(ShardedOptimizer):
     def _launch_remaining(self) -> None:
         if self._backward_task is not None and self._backward_synced:
             for bucket in self._launch_order[self._launch_cursor :]:
-                if bucket.state is not GradState.REDUCING:
-                    bucket.start_reduce(self.collectives)
+                # Past the cursor, a reduction in flight is an earlier backward's (reduce_every_micro_step):
+                # it lands first, and this backward's still goes out (zeros here), as on the ranks
+                # whose gradients finished it early.
+                bucket.finish_reduce()
+                bucket.start_reduce(self.collectives)
                 bucket.ready_to_reduce = False
         self._launch_cursor = 0
 

@@ -901,9 +901,9 @@ class Zero3Engine:
     def _launch_remaining(self) -> None:
         if self._backward_task is not None and self._backward_synced:
             for unit in self._launch_order[self._launch_cursor :]:
-                if not unit.reducing:
-                    unit.ensure_grad_buffer()  # zeros where this rank got no gradient
-                    unit.start_reduce(self.collectives)
+                unit.finish_reduce()  # an earlier backward's, as in ZeroOptimizer._launch_remaining
+                unit.ensure_grad_buffer()  # zeros where this rank got no gradient
+                unit.start_reduce(self.collectives)
                 unit.ready_to_reduce = False
         self._launch_cursor = 0
 
