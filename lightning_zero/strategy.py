@@ -330,6 +330,13 @@ class ZeroStrategy(ParallelStrategy):
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, _WEIGHT_AVERAGING_CALLBACKS):
                 callback.setup(trainer, module, stage="fit")
+                # At stage 1/2 the callbacks copy the fp32 module, before the precision plugin casts
+                # it; here the pieces already have the bf16/fp16 param dtype: the average keeps fp32,
+                # or its small updates would round away.
+                average = getattr(callback, "_average_model", None)
+                for param in average.parameters() if isinstance(average, Module) else ():
+                    if param.is_floating_point() and param.dtype.itemsize < 4:
+                        param.data = param.data.float()
 
     @property
     def engine(self) -> Zero3Engine | None:
@@ -417,6 +424,21 @@ class ZeroStrategy(ParallelStrategy):
                 self._release_root()  # a step whose training_step returned no loss ran no backward
                 if self._engine is not None:
                     self._engine.end_backward()
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except RuntimeError as error:
+            if self._engine is None or "returned an invalid gradient" not in str(error):
+                raise
+            raise RuntimeError(
+                f"{error}\nUnder ZeRO-3 this usually means the loss used a parameter outside the forward of its"
+                " module, e.g. a regularizer over self.parameters() in training_step: there a parameter is this"
+                " rank's 1-d piece (see the README's ZeRO-3 section). Compute such terms inside a module's forward"
+                " (where its parameters are gathered), use the optimizer's weight_decay for an L2 penalty, or keep"
+                " those parameters whole with ZeroConfig(param_persistence_threshold=...)."
+            ) from error
 
     # ------------------------------------------------------------------ stage 3: the root unit
     # Parameters outside every unit (the root unit) are gathered for the whole step and its

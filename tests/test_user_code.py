@@ -79,18 +79,24 @@ class AveragedPieces(Callback):
     def __init__(self, averaging: Callback) -> None:
         self.averaging = averaging
         self.elements = -1
+        self.dtypes: set[str] = set()
+        self.average: dict[str, Tensor] = {}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         average = self.averaging._average_model
         self.elements = sum(p.numel() for p in average.parameters())
+        self.dtypes = {str(p.dtype) for p in average.parameters()}
+        modules = average.module if isinstance(average, torch.optim.swa_utils.AveragedModel) else average
+        self.average = {name: p.detach().reshape(-1).clone() for name, p in modules.named_parameters()}
 
 
-def _averaged(strategy: Any, averaging: Callback) -> dict[str, Any]:
+def _averaged(strategy: Any, averaging: Callback, **trainer_kwargs: Any) -> dict[str, Any]:
     pl.seed_everything(0)
     module = TiedGPT()
     pieces = AveragedPieces(averaging)
-    _fit_epochs(module, strategy, [averaging, pieces], max_epochs=3, limit_train_batches=4)
-    return {"params": params_of(module), "elements": pieces.elements}
+    _fit_epochs(module, strategy, [averaging, pieces], max_epochs=3, limit_train_batches=4, **trainer_kwargs)
+    return {"params": params_of(module), "elements": pieces.elements, "dtypes": pieces.dtypes,
+            "average": pieces.average}
 
 
 def _averaging_cases() -> dict[str, Any]:
@@ -99,6 +105,8 @@ def _averaging_cases() -> dict[str, Any]:
                            ("zero3_offload", zero3_offload)):
         out[f"swa_{name}"] = _averaged(strategy(), StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1))
         out[f"ema_{name}"] = _averaged(strategy(), EMAWeightAveraging(decay=0.8))
+    for name, strategy in (("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", zero3)):
+        out[f"ema_bf16_{name}"] = _averaged(strategy(), EMAWeightAveraging(decay=0.99), precision="bf16-mixed")
     return out
 
 
@@ -212,6 +220,13 @@ class RankDependentDepth(TiedGPT):
         return self.head(self.norm(hidden))
 
 
+class RegularizedGPT(TiedGPT):
+    """An L2 term over self.parameters() in training_step: outside forward, at stage 3, pieces."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return super().training_step(batch, batch_idx) + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
+
+
 class RankDependentBranch(TiedGPT):
     """The same model everywhere, but rank 1 runs one block fewer: different units per rank."""
 
@@ -229,6 +244,7 @@ def _disagreeing_ranks() -> dict[str, Any]:
         out[f"stream_{name}"] = _uneven_data(strategy(), iterable=True)
         out[f"structure_{name}"] = _error_of(lambda: fit(RankDependentDepth(), strategy(), WORLD, steps=2))
     out["branch_zero3"] = _error_of(lambda: fit(RankDependentBranch(), zero3(), WORLD, steps=2))
+    out["regularizer_zero3"] = _error_of(lambda: fit(RegularizedGPT(), zero3(), WORLD, steps=2))
     # The same uneven data trains when the run takes only batches every rank has, as with DDP.
     out["uneven_but_limited"] = _uneven_data(zero3(), limit_train_batches=3)
     return out
@@ -355,6 +371,16 @@ def test_weight_averaging_callbacks_match_stage_2_and_average_shards(averaging: 
         assert sum(elements) == per_ranks[0]["averaging"]["numel"]  # stage 3: each rank averages its pieces
 
 
+def test_a_bf16_models_average_is_kept_in_fp32_as_at_stage_2() -> None:
+    for rank, per_rank in enumerate(outcome()):
+        zero2, zero3_ = per_rank["averaging"]["ema_bf16_zero2"], per_rank["averaging"]["ema_bf16_zero3"]
+        assert zero2["dtypes"] == zero3_["dtypes"] == {"torch.float32"}  # 0.01 x delta would round away in bf16
+        assert zero2["average"].keys() == zero3_["average"].keys()
+        for name, whole in zero2["average"].items():  # stage 3 averages this rank's piece of the same values
+            share = -(-whole.numel() // WORLD)
+            assert (zero3_["average"][name] - whole[rank * share : (rank + 1) * share]).abs().max() <= 1e-6, name
+
+
 def test_forward_in_a_callback_and_generate_match_ddp() -> None:
     for per_rank in outcome():
         forward = per_rank["forward"]
@@ -413,3 +439,10 @@ def test_parameters_of_several_dtypes_train_at_stage_3_and_float64_keeps_its_pre
             for key in ("gain", "blocks.0.scale", "blocks.1.scale"):
                 assert (ddp[key] - 1).abs().max() > 1e-9 and (params[key] - 1).abs().max() > 1e-9
                 assert (params[key] - ddp[key]).abs().max() <= 1e-10, key  # an fp32 master: about 4e-9 off
+
+
+def test_a_loss_over_parameters_outside_forward_says_why_it_fails_at_stage_3() -> None:
+    for per_rank in outcome():
+        message = per_rank["disagree"]["regularizer_zero3"]["message"]
+        assert message.startswith("RuntimeError: Function PowBackward0 returned an invalid gradient")
+        assert "Under ZeRO-3 this usually means the loss used a parameter outside the forward of its module" in message
