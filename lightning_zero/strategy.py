@@ -47,11 +47,15 @@ from lightning_zero.checkpoint.checksums import CheckpointError
 from lightning_zero.checkpoint.full import load_full_checkpoint
 from lightning_zero.checkpoint.sharded import (
     META_KEY,
+    read_metadata,
     is_sharded_checkpoint,
     resolve_checkpoint_path,
     save_sharded,
 )
 from lightning_zero.checkpoint.state import (
+    AVERAGE_KEY,
+    average_entries,
+    load_average,
     check_full_optimizer_states,
     check_full_state_fits,
     load_into,
@@ -72,6 +76,9 @@ from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, ZeroOpti
 from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
 
 log = logging.getLogger(__name__)
+
+# Marks, in a sharded checkpoint's Lightning part, that it holds a WeightAveraging callback's average.
+_AVERAGE_MARK = "lightning_zero_weight_average"
 
 # The callbacks that copy the module at setup to average its weights (WeightAveraging: lightning>=2.6).
 _WEIGHT_AVERAGING_CALLBACKS: tuple[type, ...] = tuple(
@@ -634,8 +641,14 @@ class ZeroStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's path
         checkpoint = dict(checkpoint)
         model = checkpoint.pop("state_dict")
+        average = None
+        if "current_model_state" in checkpoint:  # see [Note: weight averages in a checkpoint]
+            model, average = checkpoint.pop("current_model_state"), model
+            checkpoint[_AVERAGE_MARK] = True
         optimizers = [(state["state"], state[META_KEY]) for state in checkpoint.pop("optimizer_states", [])]
         state = sharded_state(module, model, optimizers, checkpoint, self.world_size, self.config.stage, group=None)
+        if average is not None:
+            state[AVERAGE_KEY] = average_entries(module, average, self._model_pieces(), group=None)
         save_sharded(path, state, group=None)
 
     @override
@@ -659,6 +672,10 @@ class ZeroStrategy(ParallelStrategy):
             publish_masters(self._engine, self.zero_optimizers)
             self._checkpoint_applied = True
             checkpoint = dict(meta.lightning)
+            if checkpoint.pop(_AVERAGE_MARK, False):
+                # WeightAveraging's three keys, as its on_load_checkpoint expects them
+                checkpoint["state_dict"] = load_average(path, read_metadata(path), module, self._model_pieces(), None)
+                checkpoint["current_model_state"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
             has_optimizer_state = bool(meta.optimizers)
             if has_optimizer_state:
                 checkpoint["optimizer_states"] = []  # already in place; Lightning only checks the key

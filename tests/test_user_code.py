@@ -5,13 +5,14 @@ error on every rank instead of a hang or an abort. Two gloo ranks, one spawn."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -107,6 +108,31 @@ def _averaging_cases() -> dict[str, Any]:
         out[f"ema_{name}"] = _averaged(strategy(), EMAWeightAveraging(decay=0.8))
     for name, strategy in (("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", zero3)):
         out[f"ema_bf16_{name}"] = _averaged(strategy(), EMAWeightAveraging(decay=0.99), precision="bf16-mixed")
+    return out
+
+
+def _ema_resume(strategy: Any, directory: str) -> dict[str, Any]:
+    """bf16-mixed with EMA and a checkpoint every epoch: 3 epochs straight, and 2 then a resume."""
+    kwargs = dict(precision="bf16-mixed", limit_train_batches=4, limit_val_batches=2, num_sanity_val_steps=0)
+    out = {}
+    for name in ("straight", "resumed"):
+        pl.seed_everything(0)
+        module = TinyGPT()
+        callbacks: list[Callback] = [EMAWeightAveraging(decay=0.9)]
+        with launched_environment():
+            if name == "resumed":
+                first = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy(), max_epochs=2, logger=False,
+                                   enable_progress_bar=False, enable_model_summary=False, **kwargs,
+                                   callbacks=[*callbacks, ModelCheckpoint(dirpath=directory, save_last=True)])
+                first.fit(module, loader(), loader(samples=16))
+                pl.seed_everything(0)
+                module, callbacks = TinyGPT(), [EMAWeightAveraging(decay=0.9)]
+            trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy(), max_epochs=3, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 callbacks=callbacks, **kwargs)
+            trainer.fit(module, loader(), loader(samples=16),
+                        ckpt_path=f"{directory}/last.ckpt" if name == "resumed" else None)
+        out[name] = {"params": params_of(module), "val": float(trainer.callback_metrics["val_loss"])}
     return out
 
 
@@ -312,12 +338,15 @@ def _mixed_dtypes() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- one spawn
-def _all() -> dict[str, Any]:
+def _all(directory: str) -> dict[str, Any]:
     return {
+        "ema_resume": {name: _ema_resume(strategy, f"{directory}/{name}") for name, strategy in (
+            ("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", zero3))},
         "reads_zero3": _reads(zero3()),
         "reads_zero3_offload": _reads(zero3_offload()),
         "writes": {name: _writes(strategy()) for name, strategy in (
-            ("ddp", lambda: "ddp"), ("zero3", zero3), ("zero3_offload", zero3_offload))},
+            ("ddp", lambda: "ddp"), ("zero1", lambda: ZeroStrategy(stage=1)), ("zero2", lambda: ZeroStrategy(stage=2)),
+            ("zero2_offload", lambda: "zero2_offload"), ("zero3", zero3), ("zero3_offload", zero3_offload))},
         "averaging": _averaging_cases(),
         "forward": {"ddp": _forward_outside("ddp"), "zero3": _forward_outside(ZeroStrategy(stage=3))},
         "generate": {"ddp": _generate("ddp"), "zero3": _generate(ZeroStrategy(config=ZeroConfig(
@@ -332,7 +361,8 @@ _OUTCOME: list[dict[str, Any]] = []
 
 def outcome() -> list[dict[str, Any]]:
     if not _OUTCOME:
-        _OUTCOME.extend(run_on_ranks(_all, WORLD))
+        with tempfile.TemporaryDirectory() as directory:
+            _OUTCOME.extend(run_on_ranks(_all, WORLD, directory))
     return _OUTCOME
 
 
@@ -352,7 +382,7 @@ def test_a_parameter_outside_its_gather_is_this_ranks_piece(case: str) -> None:
 def test_in_place_writes_outside_forward_are_kept() -> None:
     for per_rank in outcome():
         writes = per_rank["writes"]
-        for name in ("zero3", "zero3_offload"):
+        for name in ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"):
             assert max_abs_diff(writes[name]["params"], writes["ddp"]["params"]) <= 1e-5, name
             assert max(abs(a - b) for a, b in zip(writes[name]["losses"], writes["ddp"]["losses"])) <= 1e-5
 
@@ -446,3 +476,12 @@ def test_a_loss_over_parameters_outside_forward_says_why_it_fails_at_stage_3() -
         message = per_rank["disagree"]["regularizer_zero3"]["message"]
         assert message.startswith("RuntimeError: Function PowBackward0 returned an invalid gradient")
         assert "Under ZeRO-3 this usually means the loss used a parameter outside the forward of its module" in message
+
+
+def test_an_ema_run_resumes_from_its_sharded_checkpoint_exactly() -> None:
+    for per_rank in outcome():
+        for name in ("zero2", "zero3"):
+            runs = per_rank["ema_resume"][name]
+            assert max_abs_diff(runs["resumed"]["params"], runs["straight"]["params"]) == 0.0, name
+            assert runs["resumed"]["val"] == runs["straight"]["val"]
+        assert per_rank["ema_resume"]["zero3"]["straight"]["val"] == per_rank["ema_resume"]["zero2"]["straight"]["val"]

@@ -91,6 +91,70 @@ def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.P
     return entries
 
 
+# [Note: weight averages in a checkpoint]
+# Lightning's WeightAveraging callbacks (EMAWeightAveraging) swap, in on_save_checkpoint, the
+# checkpoint's "state_dict" (the model entries this strategy made) into "current_model_state" and
+# put their average's state dict in its place; on load they expect the same three keys back. A
+# sharded checkpoint keeps the model entries as the model and saves the average under a namespace
+# of its own: at stage 3 the average holds this rank's pieces, sharded like the model's
+# parameters; at stages 1/2 it is whole, saved once. Loading gives Lightning each rank's average
+# and current state in the form its parameters have (pieces at stage 3), which the callback
+# copies into them.
+AVERAGE_KEY = "weight_average"
+
+
+def average_entries(
+    module: nn.Module, average: Mapping[str, Any], pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None
+) -> dict[str, Any]:
+    """A weight average's state dict (keyed like the module's) for a sharded save."""
+    rank = rank_of(group)
+    by_key = _pieces_by_key(module, pieces)
+    entries: dict[str, Any] = {}
+    for key, value in average.items():
+        piece = by_key.get(key)
+        if isinstance(value, Tensor) and piece is not None and value.numel() != piece.numel:
+            entries[key] = _sharded(piece, value.detach().reshape(-1), rank, group)  # stage 3: this rank's piece
+        elif rank == 0:
+            entries[key] = value.detach() if isinstance(value, Tensor) else object_entry(value)
+    return entries
+
+
+def load_average(
+    path: Path, metadata: Metadata, module: nn.Module, pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None
+) -> dict[str, Any]:
+    """The weight average saved by :func:`average_entries`, each tensor as this rank's parameter
+    holds it (a piece where the parameter shows one). A collective."""
+    rank = rank_of(group)
+    by_key = _pieces_by_key(module, pieces)
+    mine = dict(module.state_dict())
+    prefix = AVERAGE_KEY + "."
+    targets: dict[str, Any] = {}
+    local: dict[str, Tensor] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not fqn.startswith(prefix):
+            continue
+        key = fqn[len(prefix):]
+        piece = by_key.get(key)
+        current = mine.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            targets[key] = None
+        elif piece is not None and isinstance(current, Tensor) and current.numel() != piece.numel:
+            local[key] = torch.zeros(piece.ranges[rank].size, dtype=md.properties.dtype)
+            targets[key] = _sharded(piece, local[key], rank, group)
+        else:
+            local[key] = targets[key] = torch.zeros(md.size, dtype=md.properties.dtype)
+    state = {AVERAGE_KEY: targets}
+    with torch.no_grad():
+        load_sharded(path, metadata, state, group)
+    return {key: local[key] if key in local else from_object_entry(value) for key, value in state[AVERAGE_KEY].items()}
+
+
+def _pieces_by_key(module: nn.Module, pieces: Sequence[ParamPiece]) -> dict[str, ParamPiece]:
+    by_param = {piece.param: piece for piece in pieces}
+    return {key: by_param[value] for key, value in module.state_dict(keep_vars=True).items()
+            if isinstance(value, nn.Parameter) and value in by_param}
+
+
 def optimizer_entries(
     optimizer: ShardedOptimizer, names: Mapping[nn.Parameter, str], group: dist.ProcessGroup | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:

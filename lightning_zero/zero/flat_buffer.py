@@ -91,6 +91,17 @@ def reduce_dtype_for(dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dty
     return wide if wide != torch.float32 else reduce_dtype
 
 
+@torch.no_grad()
+def take_written(master: Tensor, written: Tensor) -> None:
+    """``master`` takes ``written``'s values where they differ from the master rounded to their
+    dtype: a parameter user code wrote into. Where the value is unchanged the master keeps its
+    extra precision (a bf16 parameter written with its own value loses nothing)."""
+    rounded = master.to(written.device, written.dtype)
+    changed = written != rounded
+    if bool(changed.any()):
+        master.copy_(torch.where(changed.to(master.device), written.to(master.device, master.dtype), master))
+
+
 def held_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a parameter is held in: the precision's ``param_dtype``, except for parameters
     wider than 32 bits, which keep theirs (a float64 scale stays float64 under bf16-mixed)."""

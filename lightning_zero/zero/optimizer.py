@@ -52,6 +52,7 @@ from lightning_zero.zero.flat_buffer import (
     held_dtype,
     ParamPiece,
     ParamSlot,
+    take_written,
     reduce_dtype_for,
 )
 
@@ -517,6 +518,7 @@ class ZeroOptimizer(ShardedOptimizer):
         }
         self.comm_device = next(iter(self._slot_of), torch.zeros(0)).device
         self._finish_init(len(self._slot_of))
+        self._forget_writes()
 
     # ------------------------------------------------------------------ setup
     def _init_buffers(self, module: nn.Module) -> None:
@@ -597,7 +599,29 @@ class ZeroOptimizer(ShardedOptimizer):
         ]
 
     def param_pieces(self) -> list[ParamPiece]:
+        self.absorb_writes(through_data=True)  # a checkpoint reads the masters
         return [piece for bucket in self.buckets for piece in bucket.pieces]
+
+    # [Note: writes to parameters at stages 1/2]
+    # The parameters are whole, but the step updates the fp32 master chunks and publishes them over
+    # the parameters, so a value user code wrote into a parameter between steps (weight clipping,
+    # Lightning's weight-averaging callbacks) would be lost. An in-place write through the
+    # parameter bumps its version counter: before a step the written parameters' chunks go into
+    # the masters. Writes through ``.data`` bypass the counter; before a save and at teardown the
+    # masters are also compared with the parameters (where they differ, the parameter was written).
+    def _forget_writes(self) -> None:
+        self._seen_versions = {param: param._version for param in self._slot_of}
+
+    @torch.no_grad()
+    def absorb_writes(self, through_data: bool = False) -> None:
+        """Takes values user code wrote into the parameters into this rank's master chunks."""
+        # The flat parameter buffer holds what was written, so one comparison per bucket covers
+        # every written parameter of it.
+        written = {bucket for param, (_, bucket, _) in self._slot_of.items()
+                   if through_data or param._version != self._seen_versions.get(param, param._version)}
+        for bucket in written:
+            take_written(bucket.master, bucket.owned_chunk(bucket.param_data))
+        self._forget_writes()
 
     def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
         grads: list[Tensor | None] = [bucket.master_grad for bucket in self.buckets]
@@ -637,6 +661,7 @@ class ZeroOptimizer(ShardedOptimizer):
     def gather_master_values(self, keep: bool = True) -> dict[nn.Parameter, Tensor]:
         """Every parameter's whole fp32 value from the master chunks (a collective; with
         ``keep=False`` this rank only takes part and gets {})."""
+        self.absorb_writes(through_data=True)
         values: dict[nn.Parameter, Tensor] = {}
         for bucket in self.buckets:
             full = torch.empty(bucket.padded_numel, dtype=bucket.master.dtype, device=self.comm_device)
@@ -687,6 +712,8 @@ class ZeroOptimizer(ShardedOptimizer):
 
         Idempotent: a second call before the next backward does nothing. Every rank must call it.
         """
+        # Called before every step (and clipping): written parameters reach the masters first.
+        self.absorb_writes()
         if self._sync_state is SyncState.SYNCED:
             return
         with torch.profiler.record_function("zero::finish_grad_sync"):
@@ -765,10 +792,11 @@ class ZeroOptimizer(ShardedOptimizer):
         """Sets the masters of the given parameters from their whole values (no communication:
         each rank takes its piece), e.g. from a full checkpoint."""
         rank = self.collectives.rank
-        for piece in self.param_pieces():
+        for piece in (piece for bucket in self.buckets for piece in bucket.pieces):
             value = values.get(piece.param)
             if value is not None:
                 piece.master.copy_(piece.ranges[rank].slice(value.reshape(-1)))
+        self._forget_writes()  # the parameters were written with these values: not a user's write
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]

@@ -58,7 +58,7 @@ from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
 from lightning_zero.zero.consistency import RanksDisagreeError
-from lightning_zero.zero.flat_buffer import Range, _round_up, held_dtype, master_dtype, reduce_dtype_for
+from lightning_zero.zero.flat_buffer import Range, _round_up, held_dtype, master_dtype, reduce_dtype_for, take_written
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, SyncState
 
 
@@ -302,10 +302,8 @@ class ShardedUnit:
             if self.state is UnitState.GATHERED:
                 piece = sp.full_range.slice(self.full).view(self.world_size, sp.shard_numel)[self.rank]
                 sp.shard.copy_(piece)
-                if self.master is not self.shard:
-                    sp.master.copy_(piece)
-            elif self.master is not self.shard:  # the piece itself was written: it is a view of the shard
-                sp.master.copy_(sp.shard)
+            if self.master is not self.shard:  # the shard holds what was written (the piece is a view of it)
+                take_written(sp.master, sp.shard)
             sp.seen_version = sp.param._version
 
     @torch.no_grad()
@@ -319,11 +317,7 @@ class ShardedUnit:
         if self.state is UnitState.GATHERED:
             self.write_back_changed()
             return
-        rounded = self.master.to(self.shard.device, self.param_dtype)
-        changed = self.shard != rounded
-        if bool(changed.any()):
-            written = self.shard.to(self.master.device, self.master.dtype)
-            self.master.copy_(torch.where(changed.to(self.master.device), written, self.master))
+        take_written(self.master, self.shard)
 
     # ------------------------------------------------------------------ gather / free
     def start_gather(self, collectives: Collectives | CountingCollectives) -> None:
