@@ -71,7 +71,7 @@ from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
-from lightning_zero.zero.consistency import agree_on_batches, check_same_model
+from lightning_zero.zero.consistency import Point, RanksDisagreeError, agree_at, agree_on_batches, check_same_model
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, ZeroOptimizer, no_sync
 from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
 
@@ -150,6 +150,8 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
         self._engine: Zero3Engine | None = None
         self._root_held = False
+        self._synced_backwards = 0  # backward calls whose gradients the next step reduces
+        self._in_no_sync = False
         # The run stopped on an error every rank raised together (a checkpoint that could not be
         # loaded), so teardown's collectives are safe: stage 3 hands the module back whole.
         self._failed_on_every_rank = False
@@ -420,6 +422,18 @@ class ZeroStrategy(ParallelStrategy):
         def closure_then_sync() -> Any:
             # Hooks after the closure (on_before_optimizer_step, clipping) must see reduced gradients.
             result = closure()
+            # Before waiting for reductions other ranks might not have launched: a rank that ran
+            # another number of backwards (manual optimization) meets the others here or at one of
+            # their gathers, and every rank raises (see [Note: ranks that disagree]).
+            counts = [row[0] for row in agree_at(self.collectives, Point.SYNC, [self._synced_backwards])]
+            self._synced_backwards = 0
+            if len(set(counts)) > 1:
+                raise RanksDisagreeError(
+                    f"The ranks ran different numbers of backward calls before this optimizer step (by rank: {counts});"
+                    " each backward's gradient reductions are collectives every rank must join. Call"
+                    " manual_backward the same number of times on every rank (a rank without a loss can backward"
+                    " a zero loss, e.g. (0 * output).sum())."
+                )
             zero_optimizer.finish_grad_sync()
             return result
 
@@ -434,6 +448,8 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._in_no_sync:
+            self._synced_backwards += 1
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         except RuntimeError as error:
@@ -533,8 +549,12 @@ class ZeroStrategy(ParallelStrategy):
         if self.config.reduce_every_micro_step:
             yield
             return
-        with no_sync(self.zero_optimizers):
-            yield
+        self._in_no_sync = True
+        try:
+            with no_sync(self.zero_optimizers):
+                yield
+        finally:
+            self._in_no_sync = False
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override

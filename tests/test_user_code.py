@@ -253,6 +253,26 @@ class RegularizedGPT(TiedGPT):
         return super().training_step(batch, batch_idx) + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
 
 
+class UnevenBackwards(pl.LightningModule):
+    """Manual optimization in which rank r calls manual_backward 1 + r times before its step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Sequential(nn.Embedding(VOCAB, 32), nn.Linear(32, VOCAB))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        for _ in range(1 + self.global_rank):
+            loss = nn.functional.cross_entropy(self.net(batch[0]).flatten(0, 1), batch[1].flatten())
+            self.manual_backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 class RankDependentBranch(TiedGPT):
     """The same model everywhere, but rank 1 runs one block fewer: different units per rank."""
 
@@ -271,6 +291,8 @@ def _disagreeing_ranks() -> dict[str, Any]:
         out[f"structure_{name}"] = _error_of(lambda: fit(RankDependentDepth(), strategy(), WORLD, steps=2))
     out["branch_zero3"] = _error_of(lambda: fit(RankDependentBranch(), zero3(), WORLD, steps=2))
     out["regularizer_zero3"] = _error_of(lambda: fit(RegularizedGPT(), zero3(), WORLD, steps=2))
+    for name, strategy in (("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", lambda: ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=100)))):
+        out[f"backwards_{name}"] = _error_of(lambda: fit(UnevenBackwards(), strategy(), WORLD, steps=2))
     # The same uneven data trains when the run takes only batches every rank has, as with DDP.
     out["uneven_but_limited"] = _uneven_data(zero3(), limit_train_batches=3)
     return out
@@ -485,3 +507,16 @@ def test_an_ema_run_resumes_from_its_sharded_checkpoint_exactly() -> None:
             assert max_abs_diff(runs["resumed"]["params"], runs["straight"]["params"]) == 0.0, name
             assert runs["resumed"]["val"] == runs["straight"]["val"]
         assert per_rank["ema_resume"]["zero3"]["straight"]["val"] == per_rank["ema_resume"]["zero2"]["straight"]["val"]
+
+
+def test_a_rank_dependent_number_of_backward_calls_is_an_error_on_every_rank() -> None:
+    for per_rank in outcome():
+        stage2 = per_rank["disagree"]["backwards_zero2"]
+        assert stage2["message"].startswith("RanksDisagreeError: The ranks ran different numbers of backward calls"
+                                            " before this optimizer step (by rank: [1, 2])")
+        # at stage 3, rank 1's second forward gathers while rank 0 is at its step: they meet there
+        stage3 = per_rank["disagree"]["backwards_zero3"]
+        assert stage3["message"].startswith("RanksDisagreeError: The ranks are at different points of the run: rank 0"
+                                            " reduces the gradients of 1 backward(s) for an optimizer step, rank 1"
+                                            " gathers ZeRO-3 unit #")
+        assert stage2["seconds"] < 60 and stage3["seconds"] < 60

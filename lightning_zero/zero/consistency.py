@@ -10,17 +10,19 @@ diverge, the ranks exchange a few integers saying what they are about to do, and
 same clear error on every rank when those differ:
 
 - at setup, every parameter's name, shape and dtype (``check_same_model``), as DDP does;
-- at stage 3, before each all-gather, which unit it is for (``Collectives.agree`` in the
-  engine's gather; ``ZeroConfig.check_gather_order``);
+- at stage 3, before each all-gather, which unit it is for (``ZeroConfig.check_gather_order``);
+- before the gradients are reduced for a step, how many synchronized backwards they hold;
 - for each dataloader, its number of batches; where that is unknown (an IterableDataset),
   before each batch whether this rank has one (``AgreedBatches``).
 
-The exchange is one small all-gather, on a gloo group beside an NCCL one so that it needs no
-device synchronization.
+The exchange is one small all-gather of the same size at every such point (``agree_at``), so
+ranks at two different points meet in it and both raise; it runs on a gloo group beside an NCCL
+one so that it needs no device synchronization.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -33,6 +35,47 @@ AnyCollectives = Collectives | CountingCollectives
 
 class RanksDisagreeError(RuntimeError):
     """The ranks were about to run different collectives; raised on every rank alike."""
+
+
+class Point(enum.IntEnum):
+    """Where a rank is when it exchanges an agreement. Every exchange has the same size, so ranks at
+    two different points meet in it and both learn it (instead of a size mismatch in gloo)."""
+
+    LENGTH = 1  # values: the dataloader's number of batches (-1: unknown)
+    BATCH = 2  # values: 1 if this rank has a next batch
+    GATHER = 3  # values: the unit's number, why it is gathered
+    SYNC = 4  # values: synchronized backwards since the last optimizer step
+
+
+_POINT_WIDTH = 3  # the point and two values
+
+
+def agree_at(collectives: AnyCollectives, point: Point, values: Sequence[int] = ()) -> list[list[int]]:
+    """Every rank's ``values`` at ``point`` (one small exchange); raises on every rank when some
+    rank is at another point."""
+    padded = [int(point), *values] + [0] * (_POINT_WIDTH - 1 - len(values))
+    rows = collectives.agree(padded)
+    if any(row[0] != point for row in rows):
+        described = ", ".join(f"rank {rank} {_describe(row)}" for rank, row in enumerate(rows))
+        raise RanksDisagreeError(
+            f"The ranks are at different points of the run: {described}. Each of these is a collective every rank"
+            " must join in the same order: the ranks ran different code (a rank-dependent number of backward calls"
+            " or optimizer steps, a forward on some ranks only, a different number of batches)."
+        )
+    return [row[1:] for row in rows]
+
+
+def _describe(row: Sequence[int]) -> str:
+    point = Point(row[0]) if row[0] in Point._value2member_map_ else None
+    if point is Point.LENGTH:
+        return f"counts the batches of a dataloader ({row[1]})"
+    if point is Point.BATCH:
+        return "fetches a batch" if row[1] else "ran out of batches"
+    if point is Point.GATHER:
+        return f"gathers ZeRO-3 unit #{row[1]}"
+    if point is Point.SYNC:
+        return f"reduces the gradients of {row[1]} backward(s) for an optimizer step"
+    return f"is at an unknown point {row[0]}"
 
 
 def model_fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
@@ -90,7 +133,7 @@ class AgreedBatches:
                 have = 1
             except StopIteration:
                 batch, have = None, 0
-            flags = [row[0] for row in self._collectives.agree([have])]
+            flags = [row[0] for row in agree_at(self._collectives, Point.BATCH, [have])]
             if all(flags):
                 yield batch
                 count += 1
@@ -133,7 +176,7 @@ def agree_on_batches(loader: Any, collectives: AnyCollectives, name: str, limit:
         length = _limited(len(loader), limit)
     except TypeError:
         length = -1
-    lengths = [row[0] for row in collectives.agree([length])]
+    lengths = [row[0] for row in agree_at(collectives, Point.LENGTH, [length])]
     known = [n >= 0 for n in lengths]
     if all(known) and len(set(lengths)) > 1 or any(known) and not all(known):
         shown = [n if n >= 0 else "unknown" for n in lengths]

@@ -57,7 +57,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
-from lightning_zero.zero.consistency import RanksDisagreeError
+from lightning_zero.zero.consistency import Point, RanksDisagreeError, agree_at
 from lightning_zero.zero.flat_buffer import Range, _round_up, held_dtype, master_dtype, reduce_dtype_for, take_written
 from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, SyncState
 
@@ -834,7 +834,7 @@ class Zero3Engine:
         if unit.state is not UnitState.SHARDED:
             return
         if self.check_gather_order and self.collectives.world_size > 1:
-            every = self.collectives.agree([unit.number, purpose.value])
+            every = agree_at(self.collectives, Point.GATHER, [unit.number, purpose.value])
             if any(row[0] != unit.number for row in every):
                 described = ", ".join(
                     f"rank {rank} gathers '{self.units[number].name}' ({_GatherFor(code).name.lower()})"
