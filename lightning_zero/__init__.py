@@ -12,6 +12,7 @@ from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.zero.consistency import RanksDisagreeError
 from lightning_zero.zero import (
     Collectives,
     CountingCollectives,
@@ -39,6 +40,7 @@ __all__ = [
     "LossScaleConfig",
     "LossScaler",
     "ModelStateBytes",
+    "RanksDisagreeError",
     "ZeroConfig",
     "ZeroOptimizer",
     "ZeroPrecision",

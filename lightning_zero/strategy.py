@@ -271,6 +271,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._failed_on_every_rank = False
+        self._synced_backwards = 0
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
