@@ -2,6 +2,8 @@
 
     python benchmarks/step_time.py                       # defaults: 2 ranks, about 70 s on 2 idle cores
     python benchmarks/step_time.py --strategies zero2 --steps 20 --n-embd 384 --bucket-size 500000
+    git worktree add /tmp/before HEAD~3 && \
+    python benchmarks/step_time.py --strategies zero1 zero2 zero3 --compare-tree /tmp/before --repeats 3
 
 Every strategy trains the demo GPT (``examples/gpt/model.py``; a comparable nanoGPT defined here
 if that file is missing or does not import) for ``--warmup + --steps`` optimizer steps, in a
@@ -25,6 +27,11 @@ does not depend on what the tokens say, and the benchmark then needs no corpus.
 Each rank gets one core's worth of threads, so anything else running on the machine is measured
 as the strategies' step time: the run ends with a warning when other processes used more than a
 tenth of a core on average. This is a measurement, not a test: nothing here asserts.
+
+``--compare-tree DIR`` measures a change: every ZeRO strategy also runs with the package of
+another checkout (``DIR/lightning_zero``, e.g. a git worktree of the commit before the change)
+first on the ranks' ``PYTHONPATH``, the two alternating ``--repeats`` times in this one run, and
+a second table gives each strategy's median step before and after and their ratio.
 """
 
 from __future__ import annotations
@@ -85,6 +92,12 @@ class RunSpec:
     bucket_size: int | None
     """Elements per gradient bucket (ZeRO's ``reduce_bucket_size``; DDP gets the same bytes)."""
     model: ModelKnobs
+    tree: str | None = None
+    """Another checkout whose ``lightning_zero`` the ranks import instead of this one's (--compare-tree)."""
+
+    @property
+    def label(self) -> str:
+        return self.strategy if self.tree is None else f"{self.strategy}@{Path(self.tree).name}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -140,6 +153,12 @@ def _rank_main(spec: RunSpec, result_path: Path) -> int:
     """Entry point of one rank: trains, measures, writes a ``RankResult`` as JSON."""
     rank = int(os.environ["RANK"])
     try:
+        if spec.tree is not None:
+            import lightning_zero
+
+            imported = Path(lightning_zero.__file__).resolve()
+            if not imported.is_relative_to(Path(spec.tree).resolve()):
+                raise RuntimeError(f"--compare-tree {spec.tree}: the ranks imported {imported} instead")
         result = _train_and_measure(spec, rank)
     except Exception as error:  # noqa: BLE001 - reported to the parent as this strategy's row
         import traceback
@@ -389,12 +408,14 @@ def run_strategy(spec: RunSpec, log_dir: Path, timeout_s: float) -> StrategyResu
     """Runs one strategy on ``spec.world_size`` fresh processes and reduces their results."""
     port = _free_port()
     processes: list[subprocess.Popen[bytes]] = []
-    result_paths = [log_dir / f"{spec.strategy}.rank{rank}.json" for rank in range(spec.world_size)]
-    log_paths = [log_dir / f"{spec.strategy}.rank{rank}.log" for rank in range(spec.world_size)]
+    result_paths = [log_dir / f"{spec.label}.rank{rank}.json" for rank in range(spec.world_size)]
+    log_paths = [log_dir / f"{spec.label}.rank{rank}.log" for rank in range(spec.world_size)]
     for rank in range(spec.world_size):
         result_paths[rank].unlink(missing_ok=True)
         command = [sys.executable, str(Path(__file__).resolve()), "--_rank", spec.to_json(), str(result_paths[rank])]
         env = {**os.environ, **_rank_environment(rank, spec.world_size, port)}
+        if spec.tree is not None:
+            env["PYTHONPATH"] = os.pathsep.join([spec.tree, *filter(None, [os.environ.get("PYTHONPATH")])])
         with log_paths[rank].open("wb") as log:
             processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT))
     try:
@@ -413,7 +434,7 @@ def run_strategy(spec: RunSpec, log_dir: Path, timeout_s: float) -> StrategyResu
             r if r.wrote_result else RankResult(rank=r.rank, error=f"no result within {timeout_s:.0f} s")
             for r in results
         ]
-    return _reduce(spec.strategy, results)
+    return _reduce(spec.label, results)
 
 
 def _wait_for_ranks(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> bool:
@@ -549,6 +570,37 @@ def _print_stage3_ratios(results: Sequence[StrategyResult], console: Any) -> Non
         )
 
 
+def _median_result(runs: Sequence[StrategyResult]) -> StrategyResult:
+    """The run with the median step time (a failed run, if any failed)."""
+    failed = [r for r in runs if r.error is not None]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda r: r.median_step_s or 0.0)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def print_comparison(pairs: dict[str, tuple[list[StrategyResult], list[StrategyResult]]], tree: Path) -> None:
+    """Each ZeRO strategy's median step with the other checkout's package (before) and this one's (after)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"before = {tree}, after = {REPO_ROOT}; medians of the alternating runs, same machine, one run")
+    for name in ("strategy", "before ms", "after ms", "after/before", "runs"):
+        table.add_column(name, justify="left" if name == "strategy" else "right")
+    for strategy, (before_runs, after_runs) in pairs.items():
+        before, after = _median_result(before_runs), _median_result(after_runs)
+        if before.error or after.error:
+            table.add_row(strategy, "—", "—", f"failed: {before.error or after.error}", str(len(after_runs)))
+            continue
+        assert before.median_step_s is not None and after.median_step_s is not None
+        table.add_row(strategy, f"{before.median_step_s * 1e3:.1f}", f"{after.median_step_s * 1e3:.1f}",
+                      _ratio(after.median_step_s, before.median_step_s), str(len(after_runs)))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 120))
+    console.print(table)
+
+
 # ---------------------------------------------------------------------------------------- noise
 @dataclass(frozen=True)
 class CpuSeconds:
@@ -624,7 +676,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per strategy")
     parser.add_argument("--log-dir", type=Path, default=None, help="where rank logs go (default: a temp dir)")
+    parser.add_argument(
+        "--compare-tree",
+        type=Path,
+        default=None,
+        help="another checkout (with lightning_zero/ in it): each ZeRO strategy also runs on its package, and a"
+        " before/after table compares the two from this run",
+    )
+    parser.add_argument("--repeats", type=_positive_int, default=1, help="with --compare-tree: alternating runs of each")
     args = parser.parse_args(argv)
+    if args.compare_tree is not None and not (args.compare_tree / "lightning_zero" / "__init__.py").is_file():
+        parser.error(f"--compare-tree {args.compare_tree} has no lightning_zero/__init__.py: give a checkout's root")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     if args.warmup < 0:
@@ -644,12 +706,27 @@ def main(argv: Sequence[str]) -> int:
     started = time.monotonic()
     results: list[StrategyResult] = []
     baseline = RunSpec(BASELINE, args.world_size, args.warmup, args.steps, args.bucket_size, knobs)
+    pairs: dict[str, tuple[list[StrategyResult], list[StrategyResult]]] = {}
     for name in strategies:
-        print(f"running {name} on {args.world_size} ranks ...", flush=True)
-        results.append(run_strategy(replace(baseline, strategy=name), log_dir, args.timeout))
+        spec = replace(baseline, strategy=name)
+        if args.compare_tree is None or not name.startswith("zero"):
+            print(f"running {name} on {args.world_size} ranks ...", flush=True)
+            results.append(run_strategy(spec, log_dir, args.timeout))
+            continue
+        before_runs, after_runs = pairs.setdefault(name, ([], []))
+        other = replace(spec, tree=str(args.compare_tree.resolve()))
+        for repeat in range(args.repeats):
+            # Alternating which goes first spreads any drift of the machine over both.
+            for which in ((other, spec) if repeat % 2 == 0 else (spec, other)):
+                print(f"running {which.label} on {args.world_size} ranks ({repeat + 1}/{args.repeats}) ...", flush=True)
+                (before_runs if which.tree else after_runs).append(run_strategy(which, log_dir, args.timeout))
+        results.append(_median_result(after_runs))
     command = " ".join(["python benchmarks/step_time.py", *argv])
     wall_s = time.monotonic() - started
     print_table(results, baseline, command, wall_s)
+    if pairs:
+        print_comparison(pairs, args.compare_tree)
+        results += [run for before_runs, _ in pairs.values() for run in before_runs]
     print(f"rank logs: {log_dir}")
     _warn_if_shared(cpu_before, _cpu_seconds(), wall_s)
     # FSDP is allowed not to run on CPU; any other failure is worth a non-zero exit.

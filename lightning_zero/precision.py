@@ -102,7 +102,7 @@ class ZeroPrecision(Precision):
         if self.param_dtype is None:
             return module
         # Parameters wider than 32 bits (a float64 scale) keep their dtype and precision: ZeRO gives
-        # them a master of their own dtype ([Note: one unit per dtype] in zero/stage3.py).
+        # them a master of their own dtype ([Note: one unit per dtype] in zero/stage3/partition.py).
         wide = {param: param.data for param in module.parameters() if param.is_floating_point() and param.dtype.itemsize > 4}
         if not self.mixed:
             module.to(dtype=self.param_dtype)

@@ -1,15 +1,16 @@
 """``ZeroStrategy``: ZeRO data parallelism as a Lightning strategy.
 
 The strategy is the Lightning edge: it launches ranks (through Lightning's own launchers),
-initializes the process group, and hands each optimizer from ``configure_optimizers`` to a
-:class:`~lightning_zero.zero.ZeroOptimizer`, which does the sharding in plain PyTorch.
+initializes the process group, builds the stage's engine (:func:`~lightning_zero.zero.make_engine`,
+see [Note: one engine protocol] in zero/engine.py) and hands each optimizer from
+``configure_optimizers`` to it; the sharding itself is plain PyTorch.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -72,8 +73,9 @@ from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_no
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.consistency import Point, RanksDisagreeError, agree_at, agree_on_batches, check_same_model
-from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, ZeroOptimizer, no_sync
-from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
+from lightning_zero.zero.engine import ZeroEngine, make_engine
+from lightning_zero.zero.layout import ParamPiece
+from lightning_zero.zero.optimizer import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +150,7 @@ class ZeroStrategy(ParallelStrategy):
         self._start_method = start_method
         self._collectives = collectives
         self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
-        self._engine: Zero3Engine | None = None
-        self._root_held = False
+        self._engine: ZeroEngine | None = None
         self._synced_backwards = 0  # backward calls whose gradients the next step reduces
         self._in_no_sync = False
         # The run stopped on an error every rank raised together (a checkpoint that could not be
@@ -278,13 +279,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         # Before the first collective that depends on the model (see [Note: ranks that disagree]).
         check_same_model(self.lightning_module, self.collectives)
-        if self.config.stage == 3:
-            self._setup_stage3()
-        else:
-            self.model_to_device()
-            if self.world_size > 1:
-                # Every rank must start from rank 0's weights, as with DDP.
-                _sync_module_states(self.model)
+        self._setup_engine()
         if trainer.state.fn == TrainerFn.FITTING:
             # Before the precision cast: the fp32 master shards are taken from the fp32 weights.
             self.setup_optimizers(trainer)
@@ -292,41 +287,26 @@ class ZeroStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.setup_precision_plugin()
 
-    def _setup_stage3(self) -> None:
-        """Shards the module's parameters: from real weights (rank 0's, like DDP), or, for a module
-        built on the meta device in ``configure_model``, one unit at a time so it is never whole."""
+    def _setup_engine(self) -> None:
+        """Builds the stage's engine over the module: from real weights (rank 0's, like DDP), or, for
+        a module built on the meta device in ``configure_model`` at stage 3, one unit at a time so
+        it is never whole."""
         module = self.lightning_module
         assert module is not None
         precision = self.precision_plugin
         assert isinstance(precision, ZeroPrecision)
-        on_meta = any(p.is_meta for p in module.parameters())
+        on_meta = self.config.stage == 3 and any(p.is_meta for p in module.parameters())
         if on_meta:
             _materialize_meta_buffers(module, self.root_device)
         else:
             self.model_to_device()
             if self.world_size > 1:
+                # Every rank must start from rank 0's weights, as with DDP.
                 _sync_module_states(module)
-        self._engine = Zero3Engine(
-            module,
-            self.collectives,
-            unit_classes=self.config.unit_modules,
-            min_unit_numel=self.config.min_unit_numel,
-            persistence_threshold=self.config.param_persistence_threshold,
-            prefetch_units=self.config.prefetch_units,
-            prefetch_bytes=self.config.prefetch_bytes,
-            param_dtype=precision.param_dtype,
-            grad_dtype=self.config.reduce_torch_dtype,
-            device=self.root_device,
-            offload_optimizer=self.config.offload_optimizer,
-            offload_params=self.config.offload_params,
-            check_gather_order=self.config.check_gather_order,
-        )
-        if on_meta:
-            self._engine.materialize_and_shard(_reset_parameters)
-        else:
-            self._engine.shard()
-        self._engine.install_hooks()
-        self._rebuild_weight_averages()
+        self._engine = make_engine(module, self.collectives, self.config, precision.param_dtype, self.root_device,
+                                   init=_reset_parameters if on_meta else None)
+        if self._engine.stage_shards_params:
+            self._rebuild_weight_averages()
 
     def _rebuild_weight_averages(self) -> None:
         """Lightning's StochasticWeightAveraging and EMAWeightAveraging copy the module in their
@@ -349,48 +329,40 @@ class ZeroStrategy(ParallelStrategy):
                         param.data = param.data.float()
 
     @property
-    def engine(self) -> Zero3Engine | None:
-        """The stage-3 engine (``None`` at stages 1 and 2)."""
+    def engine(self) -> ZeroEngine | None:
+        """The stage's engine (see [Note: one engine protocol] in zero/engine.py), once set up."""
+        return self._engine
+
+    def _require_engine(self) -> ZeroEngine:
+        if self._engine is None:
+            raise RuntimeError(
+                "ZeroStrategy has no engine yet: it is built in setup(), when the Trainer starts fit/validate/test/"
+                "predict. Call this from a hook that runs after setup (e.g. on_fit_start or a *_step)."
+            )
         return self._engine
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # configure_optimizers often groups parameters by p.dim() or p.shape: at stage 3 it sees
         # their true shapes (see [Note: a stage-3 parameter outside its gather]).
-        with self._engine.true_shapes() if self._engine is not None else nullcontext():
+        engine = self._require_engine()
+        with engine.true_shapes():
             super().setup_optimizers(trainer)
-        assert self.lightning_module is not None
         _check_params_in_one_optimizer(self.optimizers)
         precision = self.precision_plugin
         assert isinstance(precision, ZeroPrecision)
-        if self._engine is not None:
-            self.optimizers = [
-                Zero3Optimizer(optimizer, self._engine, self.config, loss_scaler=precision.loss_scaler)
-                for optimizer in self.optimizers
-            ]
-            return
-        self.optimizers = [
-            ZeroOptimizer(
-                optimizer,
-                self.lightning_module,
-                self.collectives,
-                self.config,
-                param_dtype=precision.param_dtype,
-                loss_scaler=precision.loss_scaler,
-            )
-            for optimizer in self.optimizers
-        ]
+        self.optimizers = [engine.wrap_optimizer(optimizer, precision.loss_scaler) for optimizer in self.optimizers]
 
     def _skip_scheduler_steps_of_skipped_optimizer_steps(self) -> None:
         """Lightning steps LR schedulers after every optimizer step call; a step skipped on fp16
         overflow must not advance the schedule, so the module's ``lr_scheduler_step`` is gated."""
         module = self.lightning_module
         assert module is not None
-        owner = {id(opt.optimizer): opt for opt in self.zero_optimizers}
+        owner = {opt.optimizer: opt for opt in self.zero_optimizers}
         lr_scheduler_step = module.lr_scheduler_step
 
         def gated_lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-            zero_optimizer = owner.get(id(getattr(scheduler, "optimizer", None)))
+            zero_optimizer = owner.get(getattr(scheduler, "optimizer", None))  # type: ignore[arg-type]
             if zero_optimizer is not None and zero_optimizer.last_step_skipped:
                 return
             lr_scheduler_step(scheduler, metric)
@@ -454,34 +426,21 @@ class ZeroStrategy(ParallelStrategy):
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         except RuntimeError as error:
-            if self._engine is None or "returned an invalid gradient" not in str(error):
+            explanation = self._engine.explain_backward_error(error) if self._engine is not None else None
+            if explanation is None:
                 raise
-            raise RuntimeError(
-                f"{error}\nUnder ZeRO-3 this usually means the loss used a parameter outside the forward of its"
-                " module, e.g. a regularizer over self.parameters() in training_step: there a parameter is this"
-                " rank's 1-d piece (see the README's ZeRO-3 section). Compute such terms inside a module's forward"
-                " (where its parameters are gathered), use the optimizer's weight_decay for an L2 penalty, or keep"
-                " those parameters whole with ZeroConfig(param_persistence_threshold=...)."
-            ) from error
+            raise RuntimeError(f"{error}\n{explanation}") from error
 
-    # ------------------------------------------------------------------ stage 3: the root unit
-    # Parameters outside every unit (the root unit) are gathered for the whole step and its
-    # backward: training_step may use them outside forward, and backward needs them again.
+    # ------------------------------------------------------------------ what a step holds
+    # At stage 3 the parameters outside every unit (the root unit) are gathered for the whole step
+    # and its backward: training_step may use them outside forward, and backward needs them again.
     def _hold_root(self) -> None:
-        engine = self._engine
-        if engine is not None:
-            engine.check_parameters_unchanged()
-        if engine is not None and not self._root_held:
-            for root in engine.root_units:
-                engine.acquire(root)
-            self._root_held = True
+        if self._engine is not None:
+            self._engine.hold_for_step()
 
     def _release_root(self) -> None:
-        engine = self._engine
-        if engine is not None and self._root_held:
-            self._root_held = False
-            for root in engine.root_units:
-                engine.release(root)
+        if self._engine is not None:
+            self._engine.release_after_step()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -552,7 +511,7 @@ class ZeroStrategy(ParallelStrategy):
             return
         self._in_no_sync = True
         try:
-            with no_sync(self.zero_optimizers):
+            with self._require_engine().no_sync():
                 yield
         finally:
             self._in_no_sync = False
@@ -602,6 +561,7 @@ class ZeroStrategy(ParallelStrategy):
         self._state_dict_type = value
 
     def _model_pieces(self) -> list[ParamPiece]:
+        # After teardown of an interrupted run the engine is gone; the optimizers still hold the pieces.
         return model_pieces(self._engine, self.zero_optimizers)
 
     @override
@@ -613,28 +573,7 @@ class ZeroStrategy(ParallelStrategy):
         assert module is not None
         if self._state_dict_type == "sharded":
             return model_entries(module, self._model_pieces(), group=None)
-        if self._engine is not None:
-            return self._engine.full_state_dict()
-        masters = self._master_values(keep=self.is_global_zero)
-        if not masters:
-            return module.state_dict()
-        state = module.state_dict(keep_vars=True)
-        return {
-            key: masters[value].cpu().clone() if isinstance(value, torch.nn.Parameter) and value in masters
-            else (value.detach() if isinstance(value, Tensor) else value)
-            for key, value in state.items()
-        }
-
-    def _master_values(self, keep: bool) -> dict[torch.nn.Parameter, Tensor]:
-        """Stages 1/2 with bf16/fp16 parameters: every parameter's fp32 master value (collective)."""
-        precision = self.precision_plugin
-        if not isinstance(precision, ZeroPrecision) or precision.param_dtype is None:
-            return {}
-        values: dict[torch.nn.Parameter, Tensor] = {}
-        for optimizer in self.zero_optimizers:
-            if isinstance(optimizer, ZeroOptimizer):
-                values.update(optimizer.gather_master_values(keep=keep))
-        return values
+        return self._engine.full_state_dict() if self._engine is not None else module.state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -730,18 +669,11 @@ class ZeroStrategy(ParallelStrategy):
         if self._checkpoint_applied:
             return
         state = dict(checkpoint["state_dict"])
-        module = self.lightning_module
-        assert module is not None
-        if self._engine is not None:
-            self._engine.load_full_state_dict(state, strict=strict)
+        if self._engine is None:
+            assert self.lightning_module is not None
+            self.lightning_module.load_state_dict(state, strict=strict)
             return
-        module.load_state_dict(state, strict=strict)
-        params = {key: value for key, value in module.state_dict(keep_vars=True).items()
-                  if isinstance(value, torch.nn.Parameter)}
-        values = {params[key]: value for key, value in state.items() if key in params}
-        for optimizer in self.zero_optimizers:
-            if isinstance(optimizer, ZeroOptimizer):
-                optimizer.load_master_values(values)
+        self._engine.load_full_state_dict(state, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -778,8 +710,6 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown and registry
     @override
     def teardown(self) -> None:
-        for optimizer in self.zero_optimizers:
-            optimizer.remove_hooks()
         self._restore_lr_scheduler_step()
         precision = self.precision_plugin
         restore_fp32 = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
@@ -795,12 +725,10 @@ class ZeroStrategy(ParallelStrategy):
         if self._engine is not None:
             # Lightning hands the module back on the CPU; stage 3 gathers it unit by unit. After
             # -mixed training it is handed back in fp32, from the masters, as Lightning's AMP does.
+            # The engine stays: after fit, a checkpoint save still reads its masters (see
+            # Phase.HANDED_BACK), and the next setup builds a new one.
             self._engine.remove_hooks()
             self._engine.gather_to_cpu(from_master=restore_fp32)
-            self._engine = None
-        elif restore_fp32:
-            for param, value in self._master_values(keep=True).items():
-                param.data = value.clone()
         if restore_fp32 and self.lightning_module is not None:
             cast_norm_statistics(self.lightning_module, torch.float32)
         assert self.cluster_environment is not None

@@ -87,8 +87,8 @@ def _engine_round_trip(directory: str) -> dict[str, Any]:
     other = _small_model()
     for param in other.parameters():
         param.data.mul_(0)
-    engine = Zero3Engine(other, Collectives(), unit_classes=(), min_unit_numel=1, persistence_threshold=0, prefetch_units=1,
-                         prefetch_bytes=0, param_dtype=None, grad_dtype=torch.float32, device=torch.device("cpu"))
+    engine = Zero3Engine(other, Collectives(), ZeroConfig(stage=3, min_unit_numel=1, param_persistence_threshold=0, prefetch_units=1,
+                                                 prefetch_bytes=0), param_dtype=None, device=torch.device("cpu"))
     engine.shard()
     engine.install_hooks()
     zero3 = Zero3Optimizer(torch.optim.AdamW(other.parameters(), lr=0.1), engine, ZeroConfig(stage=3))

@@ -92,9 +92,8 @@ def _adagrad_against_torch(data: torch.Tensor) -> dict[str, float]:
     zero2_model, zero3_model = _model(), _model()
     zero2 = ZeroOptimizer(torch.optim.Adagrad(zero2_model.parameters(), lr=0.1, initial_accumulator_value=0.5),
                           zero2_model, Collectives(), ZeroConfig(stage=2, reduce_bucket_size=16))
-    engine = Zero3Engine(zero3_model, Collectives(), unit_classes=(), min_unit_numel=1, persistence_threshold=0,
-                         prefetch_units=1, prefetch_bytes=0, param_dtype=None, grad_dtype=torch.float32,
-                         device=torch.device("cpu"))
+    engine = Zero3Engine(zero3_model, Collectives(), ZeroConfig(stage=3, min_unit_numel=1, param_persistence_threshold=0, prefetch_units=1,
+                                                 prefetch_bytes=0), param_dtype=None, device=torch.device("cpu"))
     engine.shard()
     engine.install_hooks()
     zero3 = Zero3Optimizer(torch.optim.Adagrad(zero3_model.parameters(), lr=0.1, initial_accumulator_value=0.5),

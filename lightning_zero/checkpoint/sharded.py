@@ -70,7 +70,7 @@ from lightning_zero.checkpoint.checksums import (
     verify,
     verify_share,
 )
-from lightning_zero.zero.flat_buffer import Range
+from lightning_zero.zero.layout import Range
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,9 @@ from lightning_zero.checkpoint.sharded import (
     save_sharded,
     saved_state_keys,
 )
-from lightning_zero.zero.optimizer import ParamPiece, ShardedOptimizer, _check_full_optimizer_state
-from lightning_zero.zero.stage3 import Zero3Engine
+from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.layout import ParamPiece
+from lightning_zero.zero.optimizer import ShardedOptimizer, _check_full_optimizer_state
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:
@@ -191,9 +192,9 @@ def named_param_groups(optimizer: ShardedOptimizer, names: Mapping[nn.Parameter,
     return optimizer._indexed_param_groups(names)
 
 
-def model_pieces(engine: Zero3Engine | None, optimizers: Sequence[ShardedOptimizer]) -> list[ParamPiece]:
+def model_pieces(engine: ZeroEngine | None, optimizers: Sequence[ShardedOptimizer]) -> list[ParamPiece]:
     """This rank's fp32 master piece of every parameter that has one (all at stage 3; at stages
-    1/2 those the optimizers train)."""
+    1/2 those the optimizers train), from the engine, or without one from the optimizers."""
     if engine is not None:
         return engine.param_pieces()
     return [piece for optimizer in optimizers for piece in optimizer.param_pieces()]
@@ -232,7 +233,7 @@ def save_checkpoint(
     path: str | Path,
     module: nn.Module,
     optimizers: Sequence[ShardedOptimizer] = (),
-    engine: Zero3Engine | None = None,
+    engine: ZeroEngine | None = None,
     extra: dict[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
     checksums: bool = True,
@@ -242,7 +243,7 @@ def save_checkpoint(
     leaves out the records' checksums (to measure their cost). A collective."""
     pieces = model_pieces(engine, optimizers)
     names = param_names(module)
-    stage = 3 if engine is not None else max([o.config.stage for o in optimizers] + [1])
+    stage = engine.config.stage if engine is not None else max([o.config.stage for o in optimizers] + [1])
     world = dist.get_world_size(group) if is_distributed() else 1
     state = sharded_state(module, model_entries(module, pieces, group),
                           [optimizer_entries(o, names, group) for o in optimizers], dict(extra or {}), world, stage, group)
@@ -253,7 +254,7 @@ def load_checkpoint(
     path: str | Path,
     module: nn.Module,
     optimizers: Sequence[ShardedOptimizer] | None = None,
-    engine: Zero3Engine | None = None,
+    engine: ZeroEngine | None = None,
     group: dist.ProcessGroup | None = None,
     strict: bool = True,
     verify: bool = True,
@@ -267,7 +268,7 @@ def load_checkpoint(
     return meta.lightning
 
 
-def publish_masters(engine: Zero3Engine | None, optimizers: Sequence[ShardedOptimizer]) -> None:
+def publish_masters(engine: ZeroEngine | None, optimizers: Sequence[ShardedOptimizer]) -> None:
     """After masters were loaded: the parameters take their values (a collective)."""
     with torch.no_grad():
         if engine is not None:
@@ -292,7 +293,7 @@ def check_model_fits(
 
 def true_shapes(pieces: Sequence[ParamPiece]) -> dict[nn.Parameter, tuple[int, ...]]:
     """The parameters' true shapes: a stage-3 parameter outside a gather shows its 1-d piece
-    ([Note: a stage-3 parameter outside its gather] in zero/stage3.py)."""
+    ([Note: a stage-3 parameter outside its gather] in zero/stage3/unit.py)."""
     return {piece.param: piece.shape for piece in pieces}
 
 

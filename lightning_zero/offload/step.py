@@ -1,0 +1,97 @@
+"""The optimizer step of offloaded masters: the one-pass C++ Adam, and the staging copies it writes.
+
+[Note: offloaded step]
+Offloaded fp32 masters of torch's Adam/AdamW take the C++ CPU step (``ops.fused_adam_step``),
+which applies the unscale x clip factor, updates the master and its moments, and writes the
+rounded bf16/fp16 value into a pinned staging buffer, all in one pass over memory. Publishing
+the new parameters then copies the staging buffer to the device instead of casting the master
+again. A staging buffer holds the new values only if the last step wrote every piece of it: a
+parameter that got no gradient is not stepped, and a load writes the masters outside any step
+(:meth:`StagingBuffers.forget`). Every other master goes through the wrapped torch optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.offload import CPUOffloadPolicy
+
+
+class StagingBuffers:
+    """Per master holder (the tensor the optimizer steps), the low-precision staging view the CPU
+    step writes its rounded values into, and which holders the last step wrote."""
+
+    def __init__(self) -> None:
+        self._views: dict[Tensor, Tensor] = {}  # keyed by the holder tensor itself (identity)
+        self._written: set[Tensor] = set()
+
+    def add(self, holder: Tensor, view: Tensor) -> None:
+        self._views[holder] = view
+
+    def view_for(self, holder: Tensor) -> Tensor | None:
+        return self._views.get(holder)
+
+    def begin_step(self) -> None:
+        self._written = set()
+
+    def mark_written(self, holder: Tensor) -> None:
+        self._written.add(holder)
+
+    def wrote_all(self, holders: Iterable[Tensor]) -> bool:
+        """Whether the last step wrote the staging of every one of ``holders``."""
+        return all(holder in self._written for holder in holders)
+
+    def forget(self) -> None:
+        """The masters were written outside a step (a load): no staging copy holds them."""
+        self._written = set()
+
+
+def fused_cpu_masters(
+    optimizer: Optimizer, policy: CPUOffloadPolicy | None, trained: list[list[Tensor]]
+) -> list[tuple[dict[str, Any], Tensor]]:
+    """(param group, master) pairs of ``trained`` (per param group) that the C++ CPU Adam steps:
+    offloaded fp32 masters of Adam/AdamW without options it does not implement."""
+    if policy is None or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return []
+    pairs = []
+    for group, masters in zip(optimizer.param_groups, trained):
+        if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
+            continue
+        pairs += [(group, m) for m in masters if m.device.type == "cpu" and m.dtype == torch.float32]
+    return pairs
+
+
+def cpu_adam_step(
+    optimizer: Optimizer, group: dict[str, Any], master: Tensor, coefficient: float, staging: StagingBuffers | None
+) -> None:
+    """One Adam/AdamW step of ``master`` (its ``.grad`` times ``coefficient``) in one pass, keeping
+    its state in ``optimizer.state`` exactly as torch's Adam would; writes the staging copy."""
+    from lightning_zero.ops import fused_adam_step
+
+    state = optimizer.state[master]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(master)
+        state["exp_avg_sq"] = torch.zeros_like(master)
+    state["step"] += 1
+    if staging is not None:
+        staging.mark_written(master)
+    if master.numel() == 0:
+        return  # a parameter with no element on this rank: only its step count moves
+    beta1, beta2 = group["betas"]
+    fused_adam_step(
+        master, master.grad, state["exp_avg"], state["exp_avg_sq"],
+        step=int(state["step"].item()), lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+        eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+        adamw_mode=bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
+        grad_scale=coefficient,
+        low_precision_out=staging.view_for(master) if staging is not None else None,
+    )
+
+
+__all__ = ["StagingBuffers", "cpu_adam_step", "fused_cpu_masters"]

@@ -1,0 +1,130 @@
+"""One engine interface for every ZeRO stage.
+
+[Note: one engine protocol]
+The strategy, the optimizers and the checkpoint code talk to the engine only through
+:class:`ZeroEngine`: :class:`~lightning_zero.zero.flat.FlatEngine` at stages 1/2 (whole
+parameters, flat buffers per optimizer) and :class:`~lightning_zero.zero.stage3.Zero3Engine` at
+stage 3 (sharded parameters, gathered per unit). Where a stage has nothing to do (holding
+parameters for a step at stages 1/2) its method is a documented no-op, so callers need no stage
+branches; :func:`make_engine` is the one place that picks the stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.zero.comm import Collectives, CountingCollectives
+from lightning_zero.zero.layout import ParamPiece
+
+
+@runtime_checkable
+class ZeroEngine(Protocol):
+    """What every stage's engine offers its callers."""
+
+    module: nn.Module
+    collectives: Collectives | CountingCollectives
+    config: ZeroConfig
+    stage_shards_params: bool  # whether parameters outside a gather are this rank's pieces
+
+    # ---- optimizers
+    def wrap_optimizer(self, optimizer: Optimizer, loss_scaler: Any = None) -> Any:
+        """The user's optimizer as a ShardedOptimizer over this engine's pieces."""
+        ...
+
+    # ---- the step: what is gathered for it, and gradient synchronization
+    def hold_for_step(self) -> None:
+        """Gathers what a whole step (and its backward) needs beyond the units' own hooks."""
+        ...
+
+    def release_after_step(self) -> None: ...
+
+    def end_backward(self) -> None:
+        """Frees what a finished backward still holds."""
+        ...
+
+    def free_idle(self) -> None:
+        """Frees what nobody holds (prefetched but unused)."""
+        ...
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Within it, backward accumulates gradients locally and communicates nothing."""
+        ...
+
+    def explain_backward_error(self, error: RuntimeError) -> str | None:
+        """What an autograd error means under this stage, if the stage explains it."""
+        ...
+
+    def check_parameters_unchanged(self) -> None: ...
+
+    # ---- whole parameters
+    def gathered(self, writeback: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Every parameter whole for the duration (a collective); changes are kept."""
+        ...
+
+    def true_shapes(self) -> contextlib.AbstractContextManager[None]:
+        """Every parameter shows its true shape (for configure_optimizers)."""
+        ...
+
+    def gather_to_cpu(self, from_master: bool) -> None:
+        """Hands the module back whole (teardown); with ``from_master``, the fp32 master values."""
+        ...
+
+    # ---- masters and checkpoints
+    def param_pieces(self) -> list[ParamPiece]:
+        """Every parameter's master piece on this rank, as checkpoints save them."""
+        ...
+
+    def absorb_writes(self, through_data: bool = False) -> None:
+        """Takes values user code wrote into the parameters into the masters."""
+        ...
+
+    def publish_masters(self) -> None:
+        """After the masters were written (a load): the parameters take their values (a collective)."""
+        ...
+
+    def full_state_dict(self, to: int = 0) -> dict[str, Any]:
+        """The module's state dict with whole parameters, on rank ``to`` (a collective)."""
+        ...
+
+    def load_full_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Loads whole values (every rank passes the same dict) into this rank's pieces."""
+        ...
+
+    def remove_hooks(self) -> None: ...
+
+
+def make_engine(
+    module: nn.Module,
+    collectives: Collectives | CountingCollectives,
+    config: ZeroConfig,
+    param_dtype: torch.dtype | None,
+    device: torch.device,
+    init: Callable[[nn.Module], None] | None = None,
+) -> ZeroEngine:
+    """The engine for ``config.stage``, with the parameters in place: at stage 3 sharded (from
+    their real values, or, for a module on the meta device, materialized unit by unit with
+    ``init``) and hooked; at stages 1/2 whole (each optimizer's buffers come with
+    ``wrap_optimizer``)."""
+    if config.stage != 3:
+        from lightning_zero.zero.flat import FlatEngine
+
+        return FlatEngine(module, collectives, config, param_dtype)
+    from lightning_zero.zero.stage3 import Zero3Engine
+
+    engine = Zero3Engine(module, collectives, config, param_dtype, device)
+    if init is not None:
+        engine.materialize_and_shard(init)
+    else:
+        engine.shard()
+    engine.install_hooks()
+    return engine
+
+
+__all__ = ["ZeroEngine", "make_engine"]

@@ -1,0 +1,260 @@
+"""Gradient reductions: one reduction object and one launch schedule for every layout.
+
+A :class:`Reduction` is one reduce-scatter target: a rank-major local gradient [N * S] (a
+stage-1/2 bucket's flat gradient, a stage-3 unit's gradient pieces) that one reduce-scatter
+turns into this rank's averaged [S], added into its master gradient. The
+:class:`ReduceSchedule` decides when each one goes out, in the same order on every rank.
+
+[Note: one launch order]
+Reductions are launched in one fixed order (the schedule's ``order``: reverse parameter order,
+i.e. backward order) on every rank: one complete out of turn waits for those before it. Each
+synchronized backward issues exactly one reduction per entry of the order: what it left
+unlaunched (a parameter without a gradient on this rank) goes out, with zeros where needed, when
+the next backward starts or at ``finish``. So ranks whose graphs differ still issue the same
+collectives in the same order, and a parameter used on some ranks only gets their gradients, as
+with DDP's find_unused_parameters. A backward is recognised by its autograd graph task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
+from lightning_zero.zero.layout import rank_chunk
+
+
+class GradState(enum.Enum):
+    """Lifecycle of a reduction's local gradient between two reductions."""
+
+    CLEAN = "no local gradient since the last reduction or zero_grad"
+    ACCUMULATING = "local gradients present that no reduction has consumed yet"
+    REDUCING = "a reduce-scatter of the local gradient is in flight"
+
+
+class Reduction:
+    """The local gradient of one bucket or unit and its reduce-scatter into this rank's chunk.
+
+    Contracts, the same for every layout:
+    - ``local_grad()`` is the buffer gradients are added into; a reduction still in flight (an
+      earlier micro-step's, with ``reduce_every_micro_step``) lands first.
+    - ``start`` sends zeros when this rank has no local gradient (another rank may have one), and
+      refuses to start a second reduction while one is in flight.
+    - ``finish`` waits and adds this rank's averaged chunk into ``master_grad``; after it, and
+      after ``drop``, the local gradient is zeroed (``keep_buffer``, stage 1) or freed.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        chunk_numel: int,
+        world_size: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        keep_buffer: bool,
+        expected_grads: int,
+        label: str = "zero",
+    ) -> None:
+        self.name = name
+        self.chunk_numel = chunk_numel
+        self.world_size = world_size
+        self.rank = rank
+        self.dtype = dtype
+        self.device = device
+        self.keep_buffer = keep_buffer
+        self.expected_grads = expected_grads  # gradients one backward brings, when every parameter gets one
+        self.label = label  # profiler prefix: "zero" (stages 1/2) or "zero3"
+        # This rank's master gradient [chunk_numel], set by the owner (on the CPU under offload).
+        self.master_grad = torch.empty(0)
+        self.grad: Tensor | None = None  # [world_size * chunk_numel], rank-major
+        self.state = GradState.CLEAN
+        # Per backward (reset by the schedule when one starts):
+        self.arrived = 0  # gradients counted since the last complete set
+        self.complete = False  # every expected gradient of this backward has arrived
+        self.ready = False  # complete and waiting for its turn in the launch order
+        self._output: Tensor | None = None
+        self._handle: Handle | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.world_size * self.chunk_numel
+
+    def local_grad(self) -> Tensor:
+        """The local gradient buffer [N * S], allocated (zeros) on first use."""
+        if self.state is GradState.REDUCING:
+            self.finish()  # the previous micro-step's reduction lands before new gradients
+        if self.grad is None:
+            self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.state = GradState.ACCUMULATING
+        return self.grad
+
+    def owned_chunk(self, flat: Tensor) -> Tensor:
+        """This rank's chunk of a rank-major tensor of this reduction's size."""
+        return rank_chunk(self.rank, self.chunk_numel).slice(flat)
+
+    def start(self, collectives: Collectives | CountingCollectives) -> None:
+        """Launches the reduce-scatter (zeros if this rank has no local gradient)."""
+        if self.state is GradState.REDUCING:
+            raise RuntimeError(f"cannot reduce {self.name} while its previous reduction is in flight")
+        if self.grad is None:
+            self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        # Averaging before the sum keeps fp16/bf16 sums in range, as DDP does.
+        self.grad.div_(self.world_size)
+        self._output = torch.empty(self.chunk_numel, dtype=self.dtype, device=self.device)
+        with torch.profiler.record_function(f"{self.label}::reduce_scatter"):
+            self._handle = collectives.reduce_scatter(self._output, self.grad)
+        self.state = GradState.REDUCING
+        self.arrived = 0
+
+    def finish(self) -> None:
+        """Waits for the reduce-scatter and adds this rank's chunk into the master gradient."""
+        if self.state is not GradState.REDUCING:
+            return
+        assert self._handle is not None and self._output is not None
+        with torch.profiler.record_function(f"{self.label}::wait_reduce_scatter"):
+            self._handle.wait()
+        # Upcasts a bf16/fp16 reduction to fp32; under offload this is the copy to the CPU.
+        self.master_grad.add_(self._output.to(self.master_grad.device))
+        self._output = None
+        self._handle = None
+        self._release()
+
+    def poll(self) -> None:
+        """Finishes the reduction if it already completed: under offload the gradient then moves to
+        the CPU while backward goes on."""
+        if self.state is GradState.REDUCING and self._handle is not None and self._handle.is_completed():
+            self.finish()
+
+    def drop(self) -> None:
+        """Drops the local gradient, waiting for any collective still using the buffer."""
+        if self._handle is not None:
+            self._handle.wait()
+        self._handle = None
+        self._output = None
+        self.arrived = 0
+        self.ready = False
+        self._release()
+
+    def _release(self) -> None:
+        if self.keep_buffer and self.grad is not None:
+            self.grad.zero_()
+        else:
+            self.grad = None
+        self.state = GradState.CLEAN
+
+    def __repr__(self) -> str:
+        return f"Reduction({self.name!r}, {self.state.name}, arrived={self.arrived}/{self.expected_grads})"
+
+
+class ReduceSchedule:
+    """Launches a fixed list of reductions in one order on every rank (see [Note: one launch order]).
+
+    The layout calls :meth:`enter_backward` when a gradient arrives, adds it into the reduction's
+    ``local_grad()`` and calls :meth:`arrived`; the optimizer calls :meth:`finish` before it
+    reads the master gradients, and :meth:`drop` to discard them.
+    """
+
+    def __init__(self, order: Sequence[Reduction], collectives: Collectives | CountingCollectives) -> None:
+        self.order = list(order)
+        self.collectives = collectives
+        self.sync_enabled = True  # False inside no_sync(): backward accumulates locally only
+        self._cursor = 0  # order[:cursor] were launched by the current backward
+        self._task: int | None = None  # the autograd graph task whose gradients arrive now
+        self._synced = True  # whether the current backward reduces (sync_enabled when it began)
+        self.poll_after_launch = False  # offload: finished reductions move to the CPU during backward
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within it, backward accumulates gradients locally and communicates nothing."""
+        previous = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def enter_backward(self, task: int | None = None) -> None:
+        """Called for every gradient before it is accumulated: a gradient of a new backward first
+        sends what the previous backward left unlaunched, then counts afresh."""
+        task = torch._C._current_graph_task_id() if task is None else task
+        if task == self._task:
+            return
+        self.launch_remaining()
+        for reduction in self.order:
+            reduction.arrived = 0
+            reduction.complete = False
+        self._task = task
+        self._synced = self.sync_enabled
+
+    def arrived(self, reduction: Reduction) -> bool:
+        """Counts one gradient of ``reduction``; True when it completes this backward's set (then,
+        in a synchronized backward, it launches in its turn)."""
+        reduction.arrived += 1
+        if reduction.arrived < reduction.expected_grads:
+            return False
+        reduction.arrived = 0
+        reduction.complete = True
+        if self._synced:
+            reduction.ready = True
+            self._launch_ready()
+            if self.poll_after_launch:
+                for other in self.order:
+                    other.poll()
+        return True
+
+    def _launch_ready(self) -> None:
+        while self._cursor < len(self.order):
+            reduction = self.order[self._cursor]
+            if not reduction.ready:
+                return
+            reduction.start(self.collectives)
+            reduction.ready = False
+            self._cursor += 1
+
+    def launch_remaining(self) -> None:
+        """Launches what the current synchronized backward left, in order, with zeros where this
+        rank has no gradient; the next backward starts from the front of the order."""
+        if self._task is not None and self._synced:
+            for reduction in self.order[self._cursor :]:
+                # Past the cursor, a reduction in flight is an earlier backward's
+                # (reduce_every_micro_step): it lands first, and this backward's still goes out
+                # (zeros here), as on the ranks whose gradients finished it early.
+                reduction.finish()
+                reduction.start(self.collectives)
+                reduction.ready = False
+        self._cursor = 0
+
+    def finish(self) -> None:
+        """Every gradient produced so far lands, averaged over ranks, in the master gradients.
+
+        What backward did not launch goes out now, in the launch order; after accumulation under
+        no_sync only, that is every reduction. Every rank must call it.
+        """
+        if self._task is None or not self._synced:
+            self._task, self._synced = -1, True
+            self._cursor = 0
+        self.launch_remaining()
+        self._task = None
+        for reduction in self.order:
+            reduction.finish()
+
+    def drop(self, reductions: Sequence[Reduction] | None = None) -> None:
+        """Discards local gradients: what other ranks launched, this one launches too first."""
+        self.launch_remaining()
+        for reduction in self.order if reductions is None else reductions:
+            reduction.drop()
+        self._task = None
+
+    def end_backward(self) -> None:
+        """A parameter without a gradient this backward must not count toward the next one."""
+        for reduction in self.order:
+            reduction.arrived = 0
+            reduction.complete = False
+
+
+__all__ = ["GradState", "ReduceSchedule", "Reduction"]

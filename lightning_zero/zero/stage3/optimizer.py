@@ -1,0 +1,171 @@
+"""ZeRO stage 3's optimizer: a torch optimizer stepped over this rank's piece of every parameter.
+
+The wrapped optimizer sees one fp32 master tensor per parameter (this rank's piece, a view into
+its unit's master shard), so param groups need no relation to the unit layout. What is specific
+to stage 3 is the :class:`Zero3Layout` (which pieces belong to this optimizer, how its gradients
+are reduced and its new values published); the step itself is
+:class:`~lightning_zero.zero.optimizer.ShardedOptimizer`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.loss_scaler import LossScaler
+from lightning_zero.offload.step import StagingBuffers
+from lightning_zero.zero.layout import ParamPiece, ShardTile
+from lightning_zero.zero.optimizer import ShardedOptimizer
+from lightning_zero.zero.stage3.engine import Zero3Engine
+from lightning_zero.zero.stage3.unit import ShardedParam, ShardedUnit
+
+
+class Zero3Layout:
+    """One optimizer's parameters at stage 3: its pieces of the engine's units (see
+    :class:`~lightning_zero.zero.optimizer.ShardLayout`)."""
+
+    def __init__(self, optimizer: Optimizer, engine: Zero3Engine) -> None:
+        self.engine = engine
+        self.collectives = engine.collectives
+        self.comm_device = engine.device
+        self.on_grad: Callable[[int], None] = lambda index: None
+        self.groups: list[list[ShardedParam]] = []
+        self._local_index: dict[ShardedParam, int] = {}
+        for number, group in enumerate(optimizer.param_groups):
+            members = []
+            for param in group["params"]:
+                sp = engine.sharded_params.get(param)
+                if sp is None:
+                    raise ValueError(
+                        f"Param group {number} of {type(optimizer).__name__} holds a parameter of shape"
+                        f" {tuple(param.shape)} that is not a parameter of the LightningModule; ZeRO can only"
+                        " shard the module's own parameters. Build the optimizer from self.parameters()."
+                    )
+                if not param.requires_grad:
+                    continue
+                self._local_index[sp] = len(self._local_index)
+                members.append(sp)
+            self.groups.append(members)
+        self.units: list[ShardedUnit] = list(dict.fromkeys(sp.unit for members in self.groups for sp in members))
+        self.staging: StagingBuffers | None = None
+        staged = [sp for sp in self.params if sp.unit.staging is not None]
+        if staged:
+            self.staging = StagingBuffers()
+            for sp in staged:
+                assert sp.unit.staging is not None
+                self.staging.add(sp.holder, sp.shard_range.slice(sp.unit.staging))
+        engine.add_grad_listener(self._on_engine_grad)
+
+    @property
+    def params(self) -> Iterator[ShardedParam]:
+        for members in self.groups:
+            yield from members
+
+    @property
+    def num_trainable(self) -> int:
+        return len(self._local_index)
+
+    def _on_engine_grad(self, sp: ShardedParam) -> None:
+        index = self._local_index.get(sp)
+        if index is not None:
+            self.on_grad(index)
+
+    # ------------------------------------------------------------------ what the optimizer steps
+    def master_grads(self) -> Iterator[Tensor]:
+        return (sp.holder.grad for sp in self.params)  # type: ignore[misc]
+
+    def trained_masters(self, had_grad: Tensor | None) -> list[list[Tensor]]:
+        return [
+            [sp.holder for sp in members if had_grad is None or had_grad[self._local_index[sp]]]
+            for members in self.groups
+        ]
+
+    def param_pieces(self) -> list[ParamPiece]:
+        return [sp.piece() for sp in self.params]
+
+    def tiles(self) -> list[ShardTile]:
+        return [unit.tile([sp for sp in self.params if sp.unit is unit]) for unit in self.units]
+
+    def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
+        grads: list[Tensor | None] = [unit.master_grad for unit in self.units]
+        grads += [unit.grad_data for unit in self.units]
+        params = [unit.shard for unit in self.engine.units]
+        return params, grads, [unit.master for unit in self.units if unit.master is not unit.shard]
+
+    # ------------------------------------------------------------------ gradients
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.engine.no_sync():
+            yield
+
+    def finish_grad_sync(self) -> None:
+        with torch.profiler.record_function("zero3::finish_grad_sync"):
+            self.engine.finish_grad_sync()
+
+    def drop_local_grads(self) -> None:
+        schedule = self.engine.schedule
+        mine = set(self.params)
+        whole = [unit for unit in self.units if all(sp in mine for sp in unit.params if sp.param.requires_grad)]
+        schedule.drop([unit.reduction for unit in whole])
+        for unit in self.units:
+            if unit in whole:
+                continue
+            # Shared with another optimizer: keep its gradients, drop only ours (our master
+            # pieces are zeroed by zero_grad after this).
+            unit.reduction.finish()
+            if unit.grad_data is not None:
+                by_rank = unit.grad_data.view(unit.world_size, unit.shard_numel)
+                for sp in unit.params:
+                    if sp in mine:
+                        by_rank[:, sp.shard_range.start : sp.shard_range.end].zero_()
+        for sp in self.params:
+            sp.param.grad = None
+
+    # ------------------------------------------------------------------ parameters
+    @torch.no_grad()
+    def publish(self) -> None:
+        for unit in self.units:
+            members = [sp for sp in self.params if sp.unit is unit]
+            staged = self.staging is not None and self.staging.wrote_all(sp.holder for sp in members)
+            unit.publish_master(members, staged=staged)
+        self.engine.refresh_gathered()
+
+    def publish_masters(self) -> None:
+        if self.staging is not None:
+            self.staging.forget()
+        self.engine.publish_masters()
+
+    def absorb_writes(self, through_data: bool = False) -> None:
+        self.engine.absorb_writes(through_data)
+
+
+class Zero3Optimizer(ShardedOptimizer):
+    """Steps a torch optimizer over this rank's pieces of every stage-3 parameter."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        engine: Zero3Engine,
+        config: ZeroConfig,
+        loss_scaler: LossScaler | None = None,
+    ) -> None:
+        initial_state = self._take_optimizer(optimizer, config)
+        self.engine = engine
+        super().__init__(optimizer, Zero3Layout(optimizer, engine), config, loss_scaler)
+        if initial_state:
+            self._recreate_initial_state()
+
+    @property
+    def params(self) -> Iterator[ShardedParam]:
+        return self.layout.params  # type: ignore[attr-defined, no-any-return]
+
+    def remove_hooks(self) -> None:
+        """The engine's hooks outlive any one optimizer: the strategy removes them at teardown."""
+
+
+__all__ = ["Zero3Layout", "Zero3Optimizer"]
