@@ -423,13 +423,20 @@ class ZeroStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if not self._in_no_sync:
             self._synced_backwards += 1
+        engine = self._engine
+        if engine is not None:
+            # Every rank owes this backward's reductions, whatever part of the model its loss reaches.
+            engine.begin_backward()
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         except RuntimeError as error:
-            explanation = self._engine.explain_backward_error(error) if self._engine is not None else None
+            explanation = engine.explain_backward_error(error) if engine is not None else None
             if explanation is None:
                 raise
             raise RuntimeError(f"{error}\n{explanation}") from error
+        finally:
+            if engine is not None:
+                engine.close_backward()
 
     # ------------------------------------------------------------------ what a step holds
     # At stage 3 the parameters outside every unit (the root unit) are gathered for the whole step

@@ -5,7 +5,7 @@ it records every call and plays the other ranks, whose contribution a test can i
 handles either complete at once or stay pending until the test releases them. The first half
 drives :class:`ReduceSchedule` with :class:`Reduction` objects and explicit backward task ids;
 the second half checks the same properties through the stage-1/2 buckets and the stage-3 units,
-with two model copies playing rank 0 and rank 1. Strict xfails at the end pin two known gaps.
+with two model copies playing rank 0 and rank 1. A strict xfail at the end pins a known gap of the engine used without the strategy.
 """
 
 from __future__ import annotations
@@ -273,11 +273,14 @@ def test_what_backward_left_goes_out_at_finish_in_the_launch_order() -> None:
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rank_without_any_gradient_sends_zeros_of_the_right_size(rank: int, dtype: torch.dtype) -> None:
-    """No backward reached this rank at all: finish still joins every reduction, with zeros of the
-    reduction's size and dtype, and the master gradient gets the other rank's chunk."""
+    """A backward (announced, as the strategy announces every one) reached none of this rank's
+    parameters: finish still joins every reduction, with zeros of the reduction's size and dtype,
+    and the master gradient gets the other rank's chunk."""
     other = torch.arange(12.0)
     fake = FakeCollectives(rank=rank, peer=lambda number, sent: other[: sent.numel()])
     schedule, reductions = _schedule(fake, dtype=dtype)
+    schedule.begin_backward()
+    schedule.close_backward()
     schedule.finish()
     calls = fake.of(RS)
     assert [(call.numel, call.dtype) for call in calls] == [(r.numel, dtype) for r in reductions]
@@ -285,6 +288,19 @@ def test_a_rank_without_any_gradient_sends_zeros_of_the_right_size(rank: int, dt
     for reduction in reductions:
         assert reduction.master_grad.dtype == torch.float32
         assert torch.equal(reduction.master_grad, _mine(reduction, other[: reduction.numel]))
+
+
+def test_finish_without_a_backward_since_the_last_one_sends_nothing() -> None:
+    """No backward since the last finish (on any rank): nothing is owed, nothing is sent."""
+    fake = FakeCollectives()
+    schedule, reductions = _schedule(fake)
+    schedule.finish()
+    assert fake.calls == []
+    _give(schedule, reductions[0], _grad(reductions[0]), task=1)
+    schedule.finish()
+    sent = len(fake.of(RS))
+    schedule.finish()
+    assert sent == len(reductions) and len(fake.of(RS)) == sent
 
 
 def test_no_sync_accumulates_locally_and_finish_reduces_the_sum_once() -> None:
@@ -902,10 +918,8 @@ def test_finish_grad_sync_twice_sends_nothing_more(stage: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Known gaps (strict xfails: they start passing, and fail, once the library is fixed)
 # ---------------------------------------------------------------------------------------------
-# A backward is recognised by its autograd graph task, and a reentrant checkpoint runs its recompute's
-# backward as a nested graph task: each switch between the two launches the rest of the order again.
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a reentrant checkpoint's nested graph task counts as a new backward")
+# Without the strategy a backward is recognised by its autograd graph task; a reentrant checkpoint
+# runs its recompute's backward as a nested graph task, which belongs to the backward running it.
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_reentrant_checkpoint_still_sends_one_reduction_per_backward(stage: int) -> None:
     """torch.utils.checkpoint(use_reentrant=True) inside the model: still one reduction per
@@ -922,17 +936,31 @@ def test_a_reentrant_checkpoint_still_sends_one_reduction_per_backward(stage: in
     assert sim.fake.reduce_numels() == [r.numel for r in _reductions_of(sim)]
 
 
-# ShardedOptimizer.finish_grad_sync returns while its SyncState is SYNCED, which it stays on a rank
-# whose backward gave no parameter a gradient: that rank never calls ReduceSchedule.finish.
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="finish_grad_sync skips the schedule on a rank that got no gradient")
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_rank_whose_backward_reached_no_parameter_still_joins_every_reduction(stage: int) -> None:
+def test_a_rank_whose_announced_backward_reached_no_parameter_still_joins_every_reduction(stage: int) -> None:
     """A rank whose loss reached no parameter (a zero loss on a leaf of its own) must still send
-    zeros for every bucket/unit: the other ranks' reduce-scatters wait for it."""
+    zeros for every bucket/unit: the other ranks' reduce-scatters wait for it. The strategy
+    announces every backward (engine.begin_backward), so the rank knows it owes the round."""
     sim = _make_rank(stage, 1)
     leaf = torch.zeros(3, requires_grad=True)
+    engine = sim.optimizer.engine  # type: ignore[attr-defined]
+    engine.begin_backward()
     (2 * leaf).sum().backward()  # a backward that reaches no parameter of the model
+    engine.close_backward()
+    engine.end_backward()
+    sim.optimizer.step()
+    assert sim.fake.reduce_numels() == [r.numel for r in _reductions_of(sim)]
+
+
+# Without the strategy nothing announces a backward that reaches no parameter: no hook runs, so
+# the engine cannot know it owes a round. (Under the strategy this is tests/test_backward_rounds.py.)
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="without begin_backward, a backward that reaches no parameter is invisible to the engine")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_unannounced_backward_that_reached_no_parameter_is_not_seen(stage: int) -> None:
+    sim = _make_rank(stage, 1)
+    leaf = torch.zeros(3, requires_grad=True)
+    (2 * leaf).sum().backward()
     sim.optimizer.engine.end_backward()  # type: ignore[attr-defined]
     sim.optimizer.step()
     assert sim.fake.reduce_numels() == [r.numel for r in _reductions_of(sim)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +37,16 @@ class _Done:
         return True
 
 
+def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
+    """The collective timeout ``group`` was created with (None: torch's default, if it cannot tell)."""
+    process_group = group if group is not None else dist.group.WORLD
+    try:
+        device = torch.device("cuda") if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+        return process_group._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 class Collectives:
     """Collectives over one process group; asynchronous ones return a handle to ``wait`` on."""
 
@@ -56,15 +67,18 @@ class Collectives:
         self._reduce_group = group
         if self.world_size > 1:
             ranks = dist.get_process_group_ranks(group) if group is not None else None
+            # The groups made here wait as long as the group they serve: a rank that never joins
+            # must time out (an error) when the user's timeout says, not after torch's default.
+            timeout = _timeout_of(group)
             if "gloo" not in self.backend:
-                self._control_group = dist.new_group(ranks=ranks, backend="gloo")
+                self._control_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
             # [Note: reductions on their own group] Gradient reductions run in one fixed order on
             # every rank ([Note: one launch order]), but a rank without some gradient launches a
             # reduction later than the others, so relative to the all-gathers (stage 3's backward
             # gathers) and the small collectives in between, ranks would issue them in different
             # orders, which pairs unrelated collectives up (a hang). On a group of their own the
             # reductions only need to agree among themselves.
-            self._reduce_group = dist.new_group(ranks=ranks, backend=self.backend)
+            self._reduce_group = dist.new_group(ranks=ranks, backend=self.backend, timeout=timeout)
 
     def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
         """Sums ``input`` (shape [world * n]) over ranks; rank r receives elements [r*n, (r+1)*n)."""

@@ -45,6 +45,15 @@ class ZeroEngine(Protocol):
 
     def release_after_step(self) -> None: ...
 
+    def begin_backward(self) -> None:
+        """A backward starts, on every rank, whatever it reaches: its gradients are one round of
+        reductions (see [Note: what one backward is] in reduce.py)."""
+        ...
+
+    def close_backward(self) -> None:
+        """The backward begin_backward announced has returned."""
+        ...
+
     def end_backward(self) -> None:
         """Frees what a finished backward still holds."""
         ...

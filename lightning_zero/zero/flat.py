@@ -353,6 +353,10 @@ class FlatLayout:
     def num_trainable(self) -> int:
         return len(self.slot_of)
 
+    @property
+    def sync_pending(self) -> bool:
+        return self.schedule.pending
+
     def master_grads(self) -> Iterator[Tensor]:
         return (bucket.master_grad for bucket in self.buckets)
 
@@ -515,6 +519,16 @@ class FlatEngine:
 
     def release_after_step(self) -> None:
         """Nothing was gathered for the step."""
+
+    def begin_backward(self) -> None:
+        """A backward starts: one round of reductions for every optimizer's buckets (see [Note:
+        what one backward is] in reduce.py)."""
+        for layout in self.layouts:
+            layout.schedule.begin_backward()
+
+    def close_backward(self) -> None:
+        for layout in self.layouts:
+            layout.schedule.close_backward()
 
     def end_backward(self) -> None:
         """Backward leaves nothing held at stages 1/2."""

@@ -118,6 +118,12 @@ class ShardLayout(Protocol):
     @property
     def num_trainable(self) -> int: ...
 
+    @property
+    def sync_pending(self) -> bool:
+        """Whether a backward began since gradients were last synchronized (see [Note: what one
+        backward is] in reduce.py)."""
+        ...
+
     def master_grads(self) -> Iterator[Tensor]: ...
 
     def trained_masters(self, had_grad: Tensor | None) -> list[list[Tensor]]: ...
@@ -164,7 +170,6 @@ class ShardedOptimizer(Optimizer):
         self.last_step_skipped = False
         # true gradient = master_grad * coefficient; None means "1 / loss scale", decided when used.
         self._grad_coefficient: Tensor | float | None = None
-        self._sync_state = SyncState.SYNCED
         self._consolidated: dict[str, Any] | None = None
         # Every parameter of every group as the user listed it, frozen ones included: the index
         # space of torch's optimizer state_dict format.
@@ -206,7 +211,6 @@ class ShardedOptimizer(Optimizer):
 
     def _note_grad(self, index: int) -> None:
         self._had_grad[index] = 1
-        self._sync_state = SyncState.PENDING
 
     # ------------------------------------------------------------------ layout
     def param_pieces(self) -> list[ParamPiece]:
@@ -229,7 +233,7 @@ class ShardedOptimizer(Optimizer):
     # ------------------------------------------------------------------ gradient flow
     @property
     def sync_state(self) -> SyncState:
-        return self._sync_state
+        return SyncState.PENDING if self.layout.sync_pending else SyncState.SYNCED
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -246,10 +250,9 @@ class ShardedOptimizer(Optimizer):
         # Called before every step (and clipping): values user code wrote into parameters reach
         # the masters before the optimizer reads them.
         self.layout.absorb_writes()
-        if self._sync_state is SyncState.SYNCED:
+        if not self.layout.sync_pending:
             return
         self.layout.finish_grad_sync()
-        self._sync_state = SyncState.SYNCED
 
     def _step_flags(self) -> tuple[Tensor, bool]:
         """(per trainable parameter: got a gradient on some rank, any rank's gradient overflowed),
@@ -372,7 +375,6 @@ class ShardedOptimizer(Optimizer):
                 grad.zero_()
         self._had_grad.zero_()
         self._grad_coefficient = None
-        self._sync_state = SyncState.SYNCED
 
     # ------------------------------------------------------------------ clipping
     @torch.no_grad()

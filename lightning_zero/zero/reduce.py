@@ -12,7 +12,16 @@ synchronized backward issues exactly one reduction per entry of the order: what 
 unlaunched (a parameter without a gradient on this rank) goes out, with zeros where needed, when
 the next backward starts or at ``finish``. So ranks whose graphs differ still issue the same
 collectives in the same order, and a parameter used on some ranks only gets their gradients, as
-with DDP's find_unused_parameters. A backward is recognised by its autograd graph task.
+with DDP's find_unused_parameters.
+
+[Note: what one backward is]
+A round of reductions belongs to one backward. The strategy says when each backward starts
+(``begin_backward``, before ``loss.backward()``) and ends (``close_backward``), on every rank,
+whatever part of the model the backward reaches: a rank whose loss reached no parameter still
+owes its round (zeros), and ``finish`` sends it. Without the strategy (the engine used directly),
+a backward is recognised by its autograd graph task; a task that starts while another is still
+running (a reentrant activation checkpoint's recompute runs its own backward) belongs to the
+running one, which ends when the autograd engine runs the callback queued for it.
 """
 
 from __future__ import annotations
@@ -167,6 +176,11 @@ class ReduceSchedule:
         self._task: int | None = None  # the autograd graph task whose gradients arrive now
         self._synced = True  # whether the current backward reduces (sync_enabled when it began)
         self.poll_after_launch = False  # offload: finished reductions move to the CPU during backward
+        # Whether a backward began since the last finish or drop: only then does finish owe a round.
+        self.pending = False
+        self._explicit = False  # inside begin_backward/close_backward: task ids do not start backwards
+        self._rounds = 0
+        self._running_tasks: set[int] = set()  # graph tasks seen that have not finished yet
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -178,10 +192,31 @@ class ReduceSchedule:
         finally:
             self.sync_enabled = previous
 
+    def begin_backward(self) -> None:
+        """A backward starts (every rank calls it for every backward, see [Note: what one backward
+        is]): its gradients form one round, even if they reach no parameter of this schedule."""
+        self._explicit = False
+        self._rounds += 1
+        self.enter_backward(task=-1 - self._rounds)  # no autograd task has a negative id
+        self._explicit = True
+
+    def close_backward(self) -> None:
+        """The backward ``begin_backward`` announced has returned."""
+        self._explicit = False
+
     def enter_backward(self, task: int | None = None) -> None:
         """Called for every gradient before it is accumulated: a gradient of a new backward first
         sends what the previous backward left unlaunched, then counts afresh."""
-        task = torch._C._current_graph_task_id() if task is None else task
+        if task is None:
+            if self._explicit:
+                return
+            task = torch._C._current_graph_task_id()
+            if task == self._task or self._task in self._running_tasks:
+                return  # the current backward still runs: this task is nested in it (a reentrant checkpoint)
+            if task != -1:
+                self._running_tasks = {task}
+                # Runs when this graph task ends: a task starting before then is nested in it.
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._running_tasks.discard(task))
         if task == self._task:
             return
         self.launch_remaining()
@@ -190,6 +225,7 @@ class ReduceSchedule:
             reduction.complete = False
         self._task = task
         self._synced = self.sync_enabled
+        self.pending = True
 
     def arrived(self, reduction: Reduction) -> bool:
         """Counts one gradient of ``reduction``; True when it completes this backward's set (then,
@@ -233,8 +269,12 @@ class ReduceSchedule:
         """Every gradient produced so far lands, averaged over ranks, in the master gradients.
 
         What backward did not launch goes out now, in the launch order; after accumulation under
-        no_sync only, that is every reduction. Every rank must call it.
+        no_sync only, that is every reduction. Every rank must call it; without a backward since the
+        last finish (on every rank, see [Note: what one backward is]) there is nothing to send.
         """
+        if not self.pending:
+            return
+        self.pending = False
         if self._task is None or not self._synced:
             self._task, self._synced = -1, True
             self._cursor = 0
@@ -246,9 +286,12 @@ class ReduceSchedule:
     def drop(self, reductions: Sequence[Reduction] | None = None) -> None:
         """Discards local gradients: what other ranks launched, this one launches too first."""
         self.launch_remaining()
-        for reduction in self.order if reductions is None else reductions:
+        dropped = self.order if reductions is None else list(reductions)
+        for reduction in dropped:
             reduction.drop()
         self._task = None
+        # What was not dropped (another optimizer's units at stage 3) is still owed at finish.
+        self.pending = self.pending and not set(self.order) <= set(dropped)
 
     def end_backward(self) -> None:
         """A parameter without a gradient this backward must not count toward the next one."""

@@ -166,6 +166,13 @@ class Zero3Engine(Zero3Hooks):
         with self.schedule.no_sync():
             yield
 
+    def begin_backward(self) -> None:
+        """A backward starts: one round of unit reductions (see [Note: what one backward is] in reduce.py)."""
+        self.schedule.begin_backward()
+
+    def close_backward(self) -> None:
+        self.schedule.close_backward()
+
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
         """Reduces what backward left, continuing the fixed launch order, and waits for all (every

@@ -70,6 +70,10 @@ class Zero3Layout:
     def num_trainable(self) -> int:
         return len(self._local_index)
 
+    @property
+    def sync_pending(self) -> bool:
+        return self.engine.schedule.pending
+
     def _on_engine_grad(self, sp: ShardedParam) -> None:
         index = self._local_index.get(sp)
         if index is not None:
