@@ -398,8 +398,12 @@ class ZeroStrategy(ParallelStrategy):
             # Before waiting for reductions other ranks might not have launched: a rank that ran
             # another number of backwards (manual optimization) meets the others here or at one of
             # their gathers, and every rank raises (see [Note: ranks that disagree]).
-            counts = [row[0] for row in agree_at(self.collectives, Point.SYNC, [self._synced_backwards])]
+            engine = self._require_engine()
+            rows = agree_at(self.collectives, Point.SYNC, [self._synced_backwards, int(engine.has_leftover_grads())])
+            counts = [row[0] for row in rows]
             self._synced_backwards = 0
+            if any(row[1] for row in rows):
+                engine.expect_leftover_grads()  # every rank sends the extra round some rank needs
             if len(set(counts)) > 1:
                 raise RanksDisagreeError(
                     f"The ranks ran different numbers of backward calls before this optimizer step (by rank: {counts});"

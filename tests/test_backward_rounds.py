@@ -9,7 +9,11 @@ the rule, at stages 1, 2 and 3 on two gloo ranks (one spawn):
   every rank must run the same units, and such a rank raises RanksDisagreeError with the others;
 - a reentrant activation checkpoint, whose recompute runs a backward of its own (each one was
   counted as a new backward: three rounds per step): one reduce-scatter per bucket or unit and
-  step, and the weights of DDP with the same checkpoint.
+  step, and the weights of DDP with the same checkpoint;
+- a block used twice, each time under a reentrant checkpoint (stages 1/2): its second gradient
+  arrives after its bucket went out, and goes in one more round (the weights of DDP);
+- a GAN's two optimizers toggled in turn (stages 1/2): each backward reduces only the buckets of
+  the optimizer whose parameters require gradients.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -52,16 +57,20 @@ class Net(pl.LightningModule):
     """Three blocks; the middle one may run under a reentrant checkpoint; rank 1's loss may reach
     no parameter at all in step 1."""
 
-    def __init__(self, reentrant: bool = False, idle_rank_loss: str | None = None) -> None:
+    def __init__(self, reentrant: bool = False, idle_rank_loss: str | None = None, shared: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.blocks = nn.ModuleList(Block(VOCAB) for _ in range(3))
         self.reentrant = reentrant
+        self.shared = shared  # the middle block runs twice, each time under a reentrant checkpoint
         self.idle_rank_loss = idle_rank_loss  # None, "no_parameter" or "zero_gradient"
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.blocks[0](x)
-        if self.reentrant and torch.is_grad_enabled():
+        if self.shared:
+            x = checkpoint(self.blocks[1], x, use_reentrant=True)
+            x = checkpoint(self.blocks[1], x, use_reentrant=True)
+        elif self.reentrant and torch.is_grad_enabled():
             x = checkpoint(self.blocks[1], x, use_reentrant=True)
         else:
             x = self.blocks[1](x)
@@ -97,6 +106,48 @@ class CountReductions(Callback):
         self.round_size = len(optimizer.layout.tiles())
 
 
+class GAN(pl.LightningModule):
+    """Manual optimization of a generator and a discriminator, toggled in turn as Lightning's GAN
+    example does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(VOCAB, VOCAB), nn.Tanh(), nn.Linear(VOCAB, VOCAB))
+        self.discriminator = nn.Sequential(nn.Linear(VOCAB, VOCAB), nn.Tanh(), nn.Linear(VOCAB, 1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        real = nn.functional.one_hot(batch[0], VOCAB).float()
+        g_opt, d_opt = self.optimizers()
+        self.toggle_optimizer(g_opt)
+        fake = self.generator(real)
+        self.manual_backward(-self.discriminator(fake).mean())
+        g_opt.step()
+        g_opt.zero_grad()
+        self.untoggle_optimizer(g_opt)
+        self.toggle_optimizer(d_opt)
+        d_loss = self.discriminator(fake.detach()).mean() - self.discriminator(real).mean()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        d_opt.zero_grad()
+        self.untoggle_optimizer(d_opt)
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.AdamW(self.generator.parameters(), lr=1e-2),
+                torch.optim.AdamW(self.discriminator.parameters(), lr=1e-2))
+
+
+def _gan(stage: int) -> dict[str, Any]:
+    counting = CountingCollectives(Collectives())
+    counter = CountReductions(counting)
+    module = GAN()
+    strategy = ZeroStrategy(config=ZeroConfig(**CONFIGS[stage]), collectives=counting)
+    trainer = fit(module, strategy, WORLD, steps=2 * STEPS, callbacks=[counter])
+    buckets = sum(len(list(o.layout.tiles())) for o in trainer.strategy.zero_optimizers)
+    return {"params": params_of(module), "per_step": counter.per_step, "buckets": buckets}
+
+
 def _zero(stage: int, module: Net) -> dict[str, Any]:
     counting = CountingCollectives(Collectives())
     counter = CountReductions(counting)
@@ -105,8 +156,14 @@ def _zero(stage: int, module: Net) -> dict[str, Any]:
     return {"params": params_of(module), "per_step": counter.per_step, "round": counter.round_size}
 
 
-def _ddp(module: Net) -> dict[str, Tensor]:
-    fit(module, "ddp", WORLD, steps=STEPS)
+def _fit_gan(strategy: Any) -> GAN:
+    module = GAN()
+    fit(module, strategy, WORLD, steps=2 * STEPS)
+    return module
+
+
+def _ddp(module: Net, strategy: Any = "ddp") -> dict[str, Tensor]:
+    fit(module, strategy, WORLD, steps=STEPS)
     return params_of(module)
 
 
@@ -126,10 +183,15 @@ def _all_cases() -> dict[str, Any]:
         "group_timeouts": _group_timeouts(),
         "idle_ddp": _ddp(Net(idle_rank_loss="zero_gradient")),
         "reentrant_ddp": _ddp(Net(reentrant=True)),
+        # DDP takes a parameter reused in two reentrant backward passes only with a static graph.
+        "shared_ddp": _ddp(Net(shared=True), DDPStrategy(static_graph=True)),
+        "gan_ddp": params_of(_fit_gan("ddp_find_unused_parameters_true")),
     }
     for stage in CONFIGS:
         if stage != 3:
             out[f"idle_zero{stage}"] = _zero(stage, Net(idle_rank_loss="no_parameter"))
+            out[f"shared_zero{stage}"] = _zero(stage, Net(shared=True))
+            out[f"gan_zero{stage}"] = _gan(stage)
         out[f"reentrant_zero{stage}"] = _zero(stage, Net(reentrant=True))
     return out
 
@@ -165,3 +227,21 @@ def test_the_engine_s_groups_wait_as_long_as_the_group_they_serve(ranks: list[di
     error then), not after torch's default of 30 minutes."""
     for per_rank in ranks:
         assert per_rank["group_timeouts"] == [timedelta(seconds=42)] * 2
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_gradient_after_its_bucket_went_out_goes_in_one_more_round(ranks: list[dict[str, Any]], stage: int) -> None:
+    for per_rank in ranks:
+        result = per_rank[f"shared_zero{stage}"]
+        assert max_abs_diff(result["params"], per_rank["shared_ddp"]) < TOLERANCE
+        assert all(count in (result["round"], 2 * result["round"]) for count in result["per_step"])
+    assert ranks[0][f"shared_zero{stage}"]["per_step"] == ranks[1][f"shared_zero{stage}"]["per_step"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_toggled_off_optimizer_s_buckets_send_nothing(ranks: list[dict[str, Any]], stage: int) -> None:
+    for per_rank in ranks:
+        result = per_rank[f"gan_zero{stage}"]
+        assert max_abs_diff(result["params"], per_rank["gan_ddp"]) < TOLERANCE
+        # one training step = a generator and a discriminator step, each reducing its own buckets once
+        assert result["per_step"] == [result["buckets"]] * STEPS

@@ -54,6 +54,14 @@ class ZeroEngine(Protocol):
         """The backward begin_backward announced has returned."""
         ...
 
+    def has_leftover_grads(self) -> bool:
+        """Whether gradients arrived after their reduction of that backward went out."""
+        ...
+
+    def expect_leftover_grads(self) -> None:
+        """Another rank has leftover gradients: this one sends the extra round too."""
+        ...
+
     def end_backward(self) -> None:
         """Frees what a finished backward still holds."""
         ...

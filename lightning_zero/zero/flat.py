@@ -139,7 +139,8 @@ class Bucket:
             # rank r's chunk of the bucket, intersected with this parameter, in its own index space
             in_chunks = [slot.bucket_range.intersect(rank_chunk(r, chunk)) for r in range(self.world_size)]
             ranges = tuple(part.shift(-slot.bucket_range.start) for part in in_chunks)
-            offsets = tuple(part.start - r * chunk for r, part in enumerate(in_chunks))
+            # where rank r's holder starts in its chunk (its part starts there too when it has one)
+            offsets = tuple(min(max(part.start - r * chunk, 0), chunk) for r, part in enumerate(in_chunks))
             # The holders tile the chunk: the last slot's also covers the padding, stepped as before.
             mine = Range(0, chunk).intersect(slot.bucket_range.shift(-self.rank * chunk))
             holder = master[mine.start : chunk if number == len(self.slots) - 1 else mine.end]
@@ -521,14 +522,23 @@ class FlatEngine:
         """Nothing was gathered for the step."""
 
     def begin_backward(self) -> None:
-        """A backward starts: one round of reductions for every optimizer's buckets (see [Note:
-        what one backward is] in reduce.py)."""
+        """A backward starts: one round of reductions for the buckets of every optimizer with a
+        parameter that requires a gradient now (see [Note: what one backward is] in reduce.py);
+        those of an optimizer Lightning toggled off (GANs) cannot get one, so they send nothing."""
         for layout in self.layouts:
-            layout.schedule.begin_backward()
+            if any(param.requires_grad for param in layout.slot_of):
+                layout.schedule.begin_backward()
 
     def close_backward(self) -> None:
         for layout in self.layouts:
             layout.schedule.close_backward()
+
+    def has_leftover_grads(self) -> bool:
+        return any(layout.schedule.leftover for layout in self.layouts)
+
+    def expect_leftover_grads(self) -> None:
+        for layout in self.layouts:
+            layout.schedule.leftover = True
 
     def end_backward(self) -> None:
         """Backward leaves nothing held at stages 1/2."""

@@ -22,6 +22,11 @@ owes its round (zeros), and ``finish`` sends it. Without the strategy (the engin
 a backward is recognised by its autograd graph task; a task that starts while another is still
 running (a reentrant activation checkpoint's recompute runs its own backward) belongs to the
 running one, which ends when the autograd engine runs the callback queued for it.
+
+A gradient that arrives after its reduction of this backward went out (a weight used in two
+reentrant checkpoint segments, two ``.backward()`` calls inside one announced backward) stays in
+the local buffer, ``leftover``: ``finish`` sends it in one more round. The strategy tells the
+ranks of each other's leftovers where they agree before a step, so they all send that round.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ class Reduction:
         self.arrived = 0  # gradients counted since the last complete set
         self.complete = False  # every expected gradient of this backward has arrived
         self.ready = False  # complete and waiting for its turn in the launch order
+        self.launched = False  # its reduction of this backward went out
         self._output: Tensor | None = None
         self._handle: Handle | None = None
 
@@ -119,6 +125,7 @@ class Reduction:
             self._handle = collectives.reduce_scatter(self._output, self.grad)
         self.state = GradState.REDUCING
         self.arrived = 0
+        self.launched = True
 
     def finish(self) -> None:
         """Waits for the reduce-scatter and adds this rank's chunk into the master gradient."""
@@ -181,6 +188,8 @@ class ReduceSchedule:
         self._explicit = False  # inside begin_backward/close_backward: task ids do not start backwards
         self._rounds = 0
         self._running_tasks: set[int] = set()  # graph tasks seen that have not finished yet
+        # Gradients arrived after their reduction of this backward went out: finish owes a round.
+        self.leftover = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -196,9 +205,13 @@ class ReduceSchedule:
         """A backward starts (every rank calls it for every backward, see [Note: what one backward
         is]): its gradients form one round, even if they reach no parameter of this schedule."""
         self._explicit = False
+        self._running_tasks = set()  # a backward that raised never ran its callback
+        self._new_round()
+        self._explicit = True
+
+    def _new_round(self) -> None:
         self._rounds += 1
         self.enter_backward(task=-1 - self._rounds)  # no autograd task has a negative id
-        self._explicit = True
 
     def close_backward(self) -> None:
         """The backward ``begin_backward`` announced has returned."""
@@ -223,6 +236,7 @@ class ReduceSchedule:
         for reduction in self.order:
             reduction.arrived = 0
             reduction.complete = False
+            reduction.launched = False
         self._task = task
         self._synced = self.sync_enabled
         self.pending = True
@@ -230,6 +244,9 @@ class ReduceSchedule:
     def arrived(self, reduction: Reduction) -> bool:
         """Counts one gradient of ``reduction``; True when it completes this backward's set (then,
         in a synchronized backward, it launches in its turn)."""
+        if reduction.launched:
+            self.leftover = True  # it went out already: this gradient waits for finish's extra round
+            return False
         reduction.arrived += 1
         if reduction.arrived < reduction.expected_grads:
             return False
@@ -272,8 +289,15 @@ class ReduceSchedule:
         no_sync only, that is every reduction. Every rank must call it; without a backward since the
         last finish (on every rank, see [Note: what one backward is]) there is nothing to send.
         """
+        self._running_tasks = set()
         if not self.pending:
             return
+        if self.leftover:
+            # Gradients that came after their reduction went out (here or on another rank) go in a
+            # round of their own, zeros elsewhere.
+            self.leftover = False
+            self._new_round()
+            self._synced = True
         self.pending = False
         if self._task is None or not self._synced:
             self._task, self._synced = -1, True
@@ -290,6 +314,8 @@ class ReduceSchedule:
         for reduction in dropped:
             reduction.drop()
         self._task = None
+        self._running_tasks = set()
+        self.leftover = False
         # What was not dropped (another optimizer's units at stage 3) is still owed at finish.
         self.pending = self.pending and not set(self.order) <= set(dropped)
 

@@ -173,6 +173,12 @@ class Zero3Engine(Zero3Hooks):
     def close_backward(self) -> None:
         self.schedule.close_backward()
 
+    def has_leftover_grads(self) -> bool:
+        return self.schedule.leftover
+
+    def expect_leftover_grads(self) -> None:
+        self.schedule.leftover = True
+
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
         """Reduces what backward left, continuing the fixed launch order, and waits for all (every
