@@ -579,22 +579,27 @@ def _median_result(runs: Sequence[StrategyResult]) -> StrategyResult:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def _each(runs: Sequence[StrategyResult]) -> str:
+    """Every run's median step in ms, in the order they ran: the spread the medians hide."""
+    return " ".join(f"{r.median_step_s * 1e3:.0f}" for r in runs if r.median_step_s is not None)
+
+
 def print_comparison(pairs: dict[str, tuple[list[StrategyResult], list[StrategyResult]]], tree: Path) -> None:
     """Each ZeRO strategy's median step with the other checkout's package (before) and this one's (after)."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"before = {tree}, after = {REPO_ROOT}; medians of the alternating runs, same machine, one run")
-    for name in ("strategy", "before ms", "after ms", "after/before", "runs"):
+    for name in ("strategy", "before ms", "after ms", "after/before", "before runs ms", "after runs ms"):
         table.add_column(name, justify="left" if name == "strategy" else "right")
     for strategy, (before_runs, after_runs) in pairs.items():
         before, after = _median_result(before_runs), _median_result(after_runs)
         if before.error or after.error:
-            table.add_row(strategy, "—", "—", f"failed: {before.error or after.error}", str(len(after_runs)))
+            table.add_row(strategy, "—", "—", f"failed: {before.error or after.error}")
             continue
         assert before.median_step_s is not None and after.median_step_s is not None
         table.add_row(strategy, f"{before.median_step_s * 1e3:.1f}", f"{after.median_step_s * 1e3:.1f}",
-                      _ratio(after.median_step_s, before.median_step_s), str(len(after_runs)))
+                      _ratio(after.median_step_s, before.median_step_s), _each(before_runs), _each(after_runs))
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 120))
