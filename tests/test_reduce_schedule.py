@@ -964,3 +964,24 @@ def test_an_unannounced_backward_that_reached_no_parameter_is_not_seen(stage: in
     sim.optimizer.engine.end_backward()  # type: ignore[attr-defined]
     sim.optimizer.step()
     assert sim.fake.reduce_numels() == [r.numel for r in _reductions_of(sim)]
+
+
+def test_the_flat_engine_finishes_every_optimizer_s_reductions() -> None:
+    """FlatEngine.finish_grad_sync (the engine-level finish of the ZeroEngine protocol) reduces the
+    buckets of every optimizer registered with it, once."""
+    from lightning_zero.zero.flat import FlatEngine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fake = FakeCollectives()
+    engine = FlatEngine(model, fake, ZeroConfig(stage=2, reduce_bucket_size=8))  # type: ignore[arg-type]
+    first = engine.wrap_optimizer(torch.optim.AdamW(model[0].parameters()))
+    second = engine.wrap_optimizer(torch.optim.AdamW(model[1].parameters()))
+    with engine.no_sync():
+        model(torch.randn(3, 4)).sum().backward()
+    assert fake.of(RS) == []
+    engine.finish_grad_sync()
+    buckets = [b for o in (first, second) for b in o.buckets]
+    assert len(fake.of(RS)) == len(buckets) and all(b.master_grad.abs().sum() > 0 for b in buckets)
+    engine.finish_grad_sync()
+    assert len(fake.of(RS)) == len(buckets)

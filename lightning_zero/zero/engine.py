@@ -54,6 +54,11 @@ class ZeroEngine(Protocol):
         """The backward begin_backward announced has returned."""
         ...
 
+    def finish_grad_sync(self) -> None:
+        """Every gradient so far lands, averaged over ranks, in the master gradients (a collective;
+        each optimizer's step calls it for its own pieces)."""
+        ...
+
     def has_leftover_grads(self) -> bool:
         """Whether gradients arrived after their reduction of that backward went out."""
         ...

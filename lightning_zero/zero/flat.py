@@ -533,6 +533,11 @@ class FlatEngine:
         for layout in self.layouts:
             layout.schedule.close_backward()
 
+    def finish_grad_sync(self) -> None:
+        for layout in self.layouts:
+            if layout.sync_pending:
+                layout.finish_grad_sync()
+
     def has_leftover_grads(self) -> bool:
         return any(layout.schedule.leftover for layout in self.layouts)
 
