@@ -51,7 +51,11 @@ class Zero3Layout:
                 self._local_index[sp] = len(self._local_index)
                 members.append(sp)
             self.groups.append(members)
-        self.units: list[ShardedUnit] = list(dict.fromkeys(sp.unit for members in self.groups for sp in members))
+        # This optimizer's parameters of each unit, in order (the step publishes them unit by unit).
+        self.members: dict[ShardedUnit, list[ShardedParam]] = {}
+        for sp in self.params:
+            self.members.setdefault(sp.unit, []).append(sp)
+        self.units: list[ShardedUnit] = list(self.members)
         self.staging: StagingBuffers | None = None
         staged = [sp for sp in self.params if sp.unit.staging is not None]
         if staged:
@@ -93,7 +97,7 @@ class Zero3Layout:
         return [sp.piece() for sp in self.params]
 
     def tiles(self) -> list[ShardTile]:
-        return [unit.tile([sp for sp in self.params if sp.unit is unit]) for unit in self.units]
+        return [unit.tile(members) for unit, members in self.members.items()]
 
     def memory_tensors(self) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:
         grads: list[Tensor | None] = [unit.master_grad for unit in self.units]
@@ -133,8 +137,7 @@ class Zero3Layout:
     # ------------------------------------------------------------------ parameters
     @torch.no_grad()
     def publish(self) -> None:
-        for unit in self.units:
-            members = [sp for sp in self.params if sp.unit is unit]
+        for unit, members in self.members.items():
             staged = self.staging is not None and self.staging.wrote_all(sp.holder for sp in members)
             unit.publish_master(members, staged=staged)
         self.engine.refresh_gathered()
