@@ -48,22 +48,39 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention with one fused q/k/v projection laid out head by head.
+
+    [Note: per-head qkv layout]
+    ``qkv`` is one ``nn.Linear(C, 3C)`` (one matmul instead of three) whose output rows are
+    grouped by head: ``[head 0: q, k, v | head 1: q, k, v | ...]``, i.e. the output viewed as
+    ``(B, T, n_head, 3, head_dim)``. A plain split layout ``[all q | all k | all v]`` would be
+    the same network (the rows are a permutation of freshly initialised ones), but only the
+    per-head layout survives contiguous row sharding: tensor parallelism's ``ColwiseParallel``
+    (``Shard(0)`` on the weight) then gives each rank whole heads with their own q, k and v,
+    and ``proj`` takes the matching input columns with ``RowwiseParallel`` (see
+    ``lightning_zero.parallel.plans.parallelize_gpt``). For that reason ``forward`` never
+    uses the global head or channel count: it views with ``-1`` heads and ``head_dim``, so it
+    reads the local head count off whatever slice of ``qkv`` this rank holds. A checkpoint
+    saved with the split layout has the same keys and shapes but not the same row order.
+    """
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head = config.n_head  # informational; forward reads the head count off qkv's output
+        self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
-        # One fused projection for q, k, v: one matmul instead of three.
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)  # rows: see [Note: per-head qkv layout]
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim): SDPA attends over the last two dims per head.
-        q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        # (B, T, 3 * heads * head_dim) -> (B, T, heads, 3, head_dim) -> three (B, heads, T, head_dim):
+        # SDPA attends over the last two dims per head. `heads` is local under tensor parallelism.
+        qkv = self.qkv(x).view(batch, time, -1, 3, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(batch, time, channels)
+        y = y.transpose(1, 2).contiguous().view(batch, time, -1)
         return self.resid_dropout(self.proj(y))
 
 
@@ -169,6 +186,19 @@ class GPT(LightningModule):
                 continue
             for proj in (block.attn.proj, block.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
+    def configure_model(self) -> None:
+        """Under tensor parallelism (``ZeroConfig(parallel={tensor: N})``) the strategy's mesh has a
+        ``tensor`` dimension: every block is split over it (embeddings and head stay whole).
+        Lightning calls this hook at every fit/validate/test, so it splits the blocks once."""
+        mesh = self.device_mesh
+        if getattr(self, "_blocks_split", False) or mesh is None or "tensor" not in (mesh.mesh_dim_names or ()):
+            return
+        if mesh["tensor"].size() > 1:
+            from lightning_zero.parallel import parallelize_gpt
+
+            parallelize_gpt(self, mesh["tensor"])
+            self._blocks_split = True
 
     def forward(self, idx: Tensor) -> Tensor:
         """idx: (B, T) token ids, T <= block_size -> logits (B, T, vocab_size)."""
