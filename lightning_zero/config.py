@@ -14,7 +14,54 @@ import torch
 from lightning_zero.offload import CPUOffloadPolicy
 
 SUPPORTED_STAGES = (1, 2, 3)
+REST = -1  # a ParallelConfig size that takes whatever the other sizes leave of the world
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the ranks are laid out on one :class:`~torch.distributed.device_mesh.DeviceMesh`
+    (see [Note: one mesh] in lightning_zero/parallel/mesh.py).
+
+    Attributes:
+        data: data-parallel ranks: ZeRO shards over them and the data is split between them.
+            ``-1`` (the default) takes the rest of the world: ``world_size // tensor``.
+        tensor: tensor-parallel ranks: the model's blocks are split between them by a plan applied
+            in ``configure_model`` (``lightning_zero.parallel.parallelize_gpt`` and friends). They
+            are the fastest-varying (adjacent) ranks, so they stay inside one node.
+        shard_size: hybrid sharding: ZeRO shards within groups of this many data-parallel ranks
+            (one node's worth) and replicates across the groups, whose gradients are all-reduced,
+            as FSDP's HYBRID_SHARD and DeepSpeed's MiCS do. ``None`` (the default) shards over every
+            data-parallel rank; ``-1`` takes the data-parallel ranks of one node.
+    """
+
+    data: int = REST
+    tensor: int = 1
+    shard_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("data", "tensor"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != REST):
+                raise ValueError(
+                    f"ParallelConfig.{name}={value!r} must be a positive number of ranks, or -1 for the rest of the"
+                    " world."
+                )
+        if self.data == REST and self.tensor == REST:
+            raise ValueError("ParallelConfig: only one of data and tensor may be -1 (the rest of the world).")
+        if self.shard_size is not None and (
+            not isinstance(self.shard_size, int) or isinstance(self.shard_size, bool)
+            or (self.shard_size < 1 and self.shard_size != REST)
+        ):
+            raise ValueError(
+                f"ParallelConfig.shard_size={self.shard_size!r} must be a positive number of data-parallel ranks"
+                " (e.g. the processes of one node), -1 for one node's worth, or None to shard over all of them."
+            )
+
+    @property
+    def is_trivial(self) -> bool:
+        """Plain ZeRO over every rank: no tensor parallelism and no hybrid sharding."""
+        return self.tensor == 1 and self.data == REST and self.shard_size is None
 
 
 @dataclass(frozen=True)
@@ -62,6 +109,8 @@ class ZeroConfig:
             (16 bytes, over gloo), so ranks that run different units (a rank-dependent branch) get an
             error naming them instead of a hang or an abort inside the collective. ``False`` saves
             that round trip per gather once the model's control flow is known to agree across ranks.
+        parallel: how the ranks split into data- and tensor-parallel groups, and hybrid sharding
+            (see :class:`ParallelConfig`); the default is plain ZeRO over every rank.
     """
 
     stage: int = 2
@@ -77,6 +126,7 @@ class ZeroConfig:
     offload_optimizer: CPUOffloadPolicy | None = None
     offload_params: CPUOffloadPolicy | None = None
     check_gather_order: bool = True
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         _check_type("stage", self.stage, int)
@@ -133,6 +183,17 @@ class ZeroConfig:
             raise ValueError(
                 "ZeroConfig.offload_params without offload_optimizer would move every shard to the device for the"
                 " optimizer step; offload the optimizer too (offload_optimizer=CPUOffloadPolicy())."
+            )
+        if isinstance(self.parallel, dict):  # YAML / LightningCLI give a mapping
+            known = {f.name for f in fields(ParallelConfig)}
+            unknown = sorted(set(self.parallel) - known)
+            if unknown:
+                raise ValueError(f"Unknown ZeroConfig.parallel field(s) {unknown}; valid fields are {sorted(known)}.")
+            object.__setattr__(self, "parallel", ParallelConfig(**self.parallel))
+        elif not isinstance(self.parallel, ParallelConfig):
+            raise ValueError(
+                f"ZeroConfig.parallel={self.parallel!r} must be a ParallelConfig, e.g. ParallelConfig(tensor=2)"
+                " (in YAML: parallel: {tensor: 2})."
             )
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(

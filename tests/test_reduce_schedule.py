@@ -139,6 +139,12 @@ class FakeCollectives:
         if self.world_size > 1 and op == dist.ReduceOp.SUM:
             tensor.mul_(self.world_size)  # every other rank holds the same value
 
+    def all_reduce_step_flags(self, flags: Tensor) -> None:
+        self.all_reduce(flags, dist.ReduceOp.MAX)
+
+    def all_reduce_tensor_parallel(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        pass  # no tensor parallelism here
+
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> None:
         self._record("broadcast", tensor)
 

@@ -47,10 +47,92 @@ def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
         return None
 
 
-class Collectives:
-    """Collectives over one process group; asynchronous ones return a handle to ``wait`` on."""
+@dataclass(frozen=True, eq=False)
+class StepGroups:
+    """The ranks a step's decisions and gradient norm span beyond the engine's own group (see
+    [Note: a step over the mesh]).
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    ``everyone``: the group that agrees whether to step (an overflow or a gradient anywhere counts
+    for all: tensor-parallel ranks and replicas must skip together); ``None`` is the engine's group.
+    ``tensor``: the tensor-parallel group, over which the norms of ``tensor_sharded`` parameters
+    (each rank holds another part of them) add up; parameters replicated over it count once.
+    """
+
+    everyone: dist.ProcessGroup | None = None
+    tensor: dist.ProcessGroup | None = None
+    tensor_sharded: frozenset[Any] = frozenset()
+
+
+# [Note: a step over the mesh]
+# The engine shards over its group (the data-parallel ranks, or under hybrid sharding the ranks of
+# one shard group), and everything it computes from its pieces covers one tensor-parallel rank's
+# part of the model once. Two things span more ranks: whether to step (a tensor-parallel rank or a
+# replica that overflowed must make every rank skip, or the model's parts drift apart), agreed over
+# ``StepGroups.everyone``; and the global gradient norm: the squared norms of tensor-parallel shards
+# add up over the tensor group, while a parameter replicated over it (a norm, an embedding) is the
+# same on every tensor rank and is counted once. Replicas of a shard group hold the same reduced
+# gradient after the all-reduce across them, so the norm never sums over replicas.
+
+
+class _ReplicaReduction:
+    """A reduce-scatter within the shard group followed by an all-reduce of its output across the
+    replicas (hybrid sharding). The all-reduces go out in the order the reduce-scatters did, on every
+    rank, whichever one is waited for or polled first: otherwise two ranks could pair one bucket's
+    all-reduce with another's."""
+
+    def __init__(self, owner: Collectives, scatter: Handle, output: Tensor) -> None:
+        self._owner = owner
+        self._scatter = scatter
+        self.output = output
+        self._all_reduce: Handle | None = None
+
+    def launch(self) -> None:
+        if self._all_reduce is None:
+            self._scatter.wait()
+            # Averaging before the sum, as the shard group's reduction does, keeps fp16/bf16 in range.
+            self.output.div_(self._owner.replicas)
+            self._all_reduce = dist.all_reduce(self.output, group=self._owner.replicate_group, async_op=True)
+
+    @property
+    def launched(self) -> bool:
+        return self._all_reduce is not None
+
+    def scatter_done(self) -> bool:
+        return self._scatter.is_completed()
+
+    def wait(self) -> bool:
+        self._owner._launch_replica_reductions(until=self)
+        assert self._all_reduce is not None
+        self._all_reduce.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        self._owner._launch_replica_reductions(until=None)
+        return self._all_reduce is not None and self._all_reduce.is_completed()
+
+
+class Collectives:
+    """Collectives over one process group; asynchronous ones return a handle to ``wait`` on.
+
+    Args:
+        group: the ranks the engine shards over (None: the world).
+        control_group, reduce_group: the gloo group for agreement exchanges and the group gradient
+            reductions run on (see [Note: reductions on their own group]). By default they are made
+            here, which every rank of the world must then do together; a caller building
+            collectives for one of several sibling groups (a mesh dimension) passes its own.
+        replicate_group: hybrid sharding: the group of this rank's replicas across shard groups;
+            every reduce-scatter's output is then all-reduced over it (averaged over both).
+        step_groups: see :class:`StepGroups`.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
+        reduce_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
+        step_groups: StepGroups | None = None,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ZeRO needs an initialized torch.distributed process group, and none is. Run through"
@@ -61,11 +143,18 @@ class Collectives:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.step_groups = step_groups if step_groups is not None else StepGroups()
+        self._replica_reductions: list[_ReplicaReduction] = []  # launched reduce-scatters, in order
         # Agreement exchanges (see [Note: ranks that disagree] in consistency.py) run on CPU tensors:
         # over a gloo group beside NCCL, so that they never wait for the device.
         self._control_group = group
         self._reduce_group = group
-        if self.world_size > 1:
+        if control_group is not None or reduce_group is not None:
+            self._control_group = control_group if control_group is not None else group
+            self._reduce_group = reduce_group if reduce_group is not None else group
+        elif self.world_size > 1:
             ranks = dist.get_process_group_ranks(group) if group is not None else None
             # The groups made here wait as long as the group they serve: a rank that never joins
             # must time out (an error) when the user's timeout says, not after torch's default.
@@ -81,11 +170,45 @@ class Collectives:
             self._reduce_group = dist.new_group(ranks=ranks, backend=self.backend, timeout=timeout)
 
     def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
-        """Sums ``input`` (shape [world * n]) over ranks; rank r receives elements [r*n, (r+1)*n)."""
+        """Sums ``input`` (shape [world * n]) over ranks; rank r receives elements [r*n, (r+1)*n).
+        Under hybrid sharding the sum then spans the replicas too, and is averaged over them."""
         if self.world_size == 1:
             output.copy_(input)
-            return _Done()
-        return _reduce_scatter_single(output, input, group=self._reduce_group, async_op=True)
+            scatter: Handle = _Done()
+        else:
+            scatter = _reduce_scatter_single(output, input, group=self._reduce_group, async_op=True)
+        if self.replicas == 1:
+            return scatter
+        reduction = _ReplicaReduction(self, scatter, output)
+        self._replica_reductions.append(reduction)
+        return reduction
+
+    def _launch_replica_reductions(self, until: _ReplicaReduction | None) -> None:
+        """Launches the pending all-reduces across replicas in launch order: up to and including
+        ``until`` (waiting for the reduce-scatters before it), or, without it, those whose
+        reduce-scatter completed, stopping at the first that has not."""
+        while self._replica_reductions:
+            head = self._replica_reductions[0]
+            if until is None and not head.scatter_done():
+                return
+            head.launch()
+            self._replica_reductions.pop(0)
+            if head is until:
+                return
+
+    def all_reduce_step_flags(self, flags: Tensor) -> None:
+        """MAX of a step's decision flags over every rank that steps together (see StepGroups)."""
+        group = self.step_groups.everyone
+        if group is None:
+            self.all_reduce(flags, dist.ReduceOp.MAX)
+        elif dist.get_world_size(group) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+
+    def all_reduce_tensor_parallel(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        """Reduces partial norms of tensor-parallel shards over the tensor group (if any)."""
+        group = self.step_groups.tensor
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, op=op, group=group)
 
     def all_gather(self, output: Tensor, input: Tensor) -> Handle:
         """Concatenates every rank's ``input`` (shape [n]) into ``output`` (shape [world * n])."""
@@ -154,9 +277,29 @@ class CountingCollectives:
     def group(self) -> dist.ProcessGroup | None:
         return self.inner.group
 
+    @property
+    def replicas(self) -> int:
+        return self.inner.replicas
+
+    @property
+    def step_groups(self) -> StepGroups:
+        return self.inner.step_groups
+
     def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
         self.calls.append(CollectiveCall("reduce_scatter", input.numel(), input.dtype))
+        if self.inner.replicas > 1:  # the traffic that crosses shard groups (nodes)
+            self.calls.append(CollectiveCall("replica_all_reduce", output.numel(), output.dtype))
         return self.inner.reduce_scatter(output, input)
+
+    def all_reduce_step_flags(self, flags: Tensor) -> None:
+        # Over the engine's group it is that group's all-reduce; over a wider group, its own entry.
+        op = "all_reduce" if self.inner.step_groups.everyone is None else "step_flags"
+        self.calls.append(CollectiveCall(op, flags.numel(), flags.dtype))
+        self.inner.all_reduce_step_flags(flags)
+
+    def all_reduce_tensor_parallel(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        self.calls.append(CollectiveCall("tensor_all_reduce", tensor.numel(), tensor.dtype))
+        self.inner.all_reduce_tensor_parallel(tensor, op)
 
     def all_gather(self, output: Tensor, input: Tensor) -> Handle:
         self.calls.append(CollectiveCall("all_gather", output.numel(), output.dtype))

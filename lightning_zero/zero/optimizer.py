@@ -268,7 +268,9 @@ class ShardedOptimizer(Optimizer):
         if self.loss_scaler is not None:
             finite = all(bool(torch.isfinite(grad).all()) for grad in self.layout.master_grads())
             flags[-1] = 0 if finite else 1
-        self.collectives.all_reduce(flags, dist.ReduceOp.MAX)
+        # Over every rank that steps together: tensor-parallel ranks and replicas skip as one (see
+        # [Note: a step over the mesh] in comm.py).
+        self.collectives.all_reduce_step_flags(flags)
         flags = flags.cpu()
         had_grad = flags[:-1].bool()
         return had_grad, bool(had_grad.any()) and bool(flags[-1])
@@ -394,18 +396,50 @@ class ShardedOptimizer(Optimizer):
         """The norm of the full averaged, unscaled gradient, from every rank's shard (collective)."""
         self.finish_grad_sync()
         norm_type = float(norm_type)
-        grads = list(self.layout.master_grads())
+        tensor_sharded = self.collectives.step_groups.tensor_sharded
+        if not tensor_sharded:
+            return self._norm_of(list(self.layout.master_grads()), norm_type)
+        # Squared norms of tensor-parallel shards add up over the tensor group; parameters
+        # replicated over it count once (see [Note: a step over the mesh] in comm.py).
+        sharded: list[Tensor] = []
+        replicated: list[Tensor] = []
+        for piece in self.layout.param_pieces():
+            if piece.holder.grad is not None and piece.master.numel():
+                (sharded if piece.param in tensor_sharded else replicated).append(piece.in_holder.slice(piece.holder.grad))
+        if math.isinf(norm_type):
+            local = torch.stack([self._local_max(sharded), self._local_max(replicated)])
+            self.collectives.all_reduce(local, dist.ReduceOp.MAX)
+            over_tensor = local[:1].clone()
+            self.collectives.all_reduce_tensor_parallel(over_tensor, dist.ReduceOp.MAX)
+            norm = torch.maximum(over_tensor[0], local[1])
+        else:
+            local = torch.stack([self._local_power_sum(sharded, norm_type), self._local_power_sum(replicated, norm_type)])
+            self.collectives.all_reduce(local, dist.ReduceOp.SUM)
+            over_tensor = local[:1].clone()
+            self.collectives.all_reduce_tensor_parallel(over_tensor, dist.ReduceOp.SUM)
+            norm = (over_tensor[0] + local[1]).pow(1.0 / norm_type)
+        return self._unscaled(norm)
+
+    def _local_max(self, grads: Sequence[Tensor]) -> Tensor:
+        partials = [g.abs().max().to(self.comm_device, torch.float32) for g in grads if g.numel()]
+        return torch.stack(partials).max() if partials else torch.zeros((), device=self.comm_device)
+
+    def _local_power_sum(self, grads: Sequence[Tensor], norm_type: float) -> Tensor:
         # Partial results move to the communication device: offloaded shards are on the CPU.
         device = self.comm_device
+        return sum((g.abs().pow(norm_type).sum().to(device) for g in grads), torch.zeros((), device=device))
+
+    def _norm_of(self, grads: list[Tensor], norm_type: float) -> Tensor:
+        """The norm over every rank of the engine's group, of gradients sharded over it."""
         if math.isinf(norm_type):
-            partials = [g.abs().max().to(device, torch.float32) for g in grads if g.numel()]
-            local = torch.stack(partials).max() if partials else torch.zeros((), device=device)
+            local = self._local_max(grads)
             self.collectives.all_reduce(local, dist.ReduceOp.MAX)
-            norm = local
-        else:
-            local = sum((g.abs().pow(norm_type).sum().to(device) for g in grads), torch.zeros((), device=device))
-            self.collectives.all_reduce(local, dist.ReduceOp.SUM)
-            norm = local.pow(1.0 / norm_type)
+            return self._unscaled(local)
+        local = self._local_power_sum(grads, norm_type)
+        self.collectives.all_reduce(local, dist.ReduceOp.SUM)
+        return self._unscaled(local.pow(1.0 / norm_type))
+
+    def _unscaled(self, norm: Tensor) -> Tensor:
         coefficient = self._grad_coefficient_now()
         return norm * (coefficient.abs() if isinstance(coefficient, Tensor) else abs(coefficient))
 

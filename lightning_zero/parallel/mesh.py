@@ -1,0 +1,194 @@
+"""The ranks on one DeviceMesh: data parallel (optionally hybrid-sharded) x tensor parallel.
+
+[Note: one mesh]
+The world is laid out as ``(data, tensor)``, or under hybrid sharding ``(replicate, shard,
+tensor)`` with ``data = replicate * shard``, row-major, so that global rank
+``((q * shard) + s) * tensor + t``:
+
+- the ``tensor`` ranks are adjacent: a tensor-parallel group (activations all-reduced every layer,
+  the chattiest traffic) lives inside one node when ``tensor`` divides the processes per node;
+- a ``shard`` group is adjacent too: with ``shard_size`` one node's data-parallel ranks, ZeRO's
+  all-gathers and reduce-scatters stay inside the node, and only the all-reduce of each reduced
+  gradient chunk across the ``replicate`` groups crosses nodes.
+
+The engine is given collectives over its shard group only; the groups it must not create itself
+(they are siblings: every rank of the world makes all of them together) are made here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_zero.config import REST, ParallelConfig
+from lightning_zero.zero.comm import Collectives, StepGroups
+
+DATA, TENSOR, SHARD, REPLICATE = "data", "tensor", "shard", "replicate"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The resolved sizes of every mesh dimension (see [Note: one mesh])."""
+
+    world: int
+    data: int
+    tensor: int
+    shard: int  # the data-parallel ranks ZeRO shards over (== data unless hybrid)
+
+    @property
+    def replicas(self) -> int:
+        return self.data // self.shard
+
+    @property
+    def hybrid(self) -> bool:
+        return self.shard < self.data
+
+    @property
+    def trivial(self) -> bool:
+        """Plain ZeRO over the world: no mesh needed."""
+        return self.tensor == 1 and not self.hybrid
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(replica, shard rank, tensor rank) of a global rank."""
+        tensor_rank = rank % self.tensor
+        data_rank = rank // self.tensor
+        return data_rank // self.shard, data_rank % self.shard, tensor_rank
+
+    def rank_of(self, replica: int, shard_rank: int, tensor_rank: int) -> int:
+        return (replica * self.shard + shard_rank) * self.tensor + tensor_rank
+
+    def data_rank(self, rank: int) -> int:
+        replica, shard_rank, _ = self.coordinates(rank)
+        return replica * self.shard + shard_rank
+
+    def shard_groups(self) -> list[list[int]]:
+        """The global ranks of every shard group (the engine's groups)."""
+        return [[self.rank_of(q, s, t) for s in range(self.shard)]
+                for q in range(self.replicas) for t in range(self.tensor)]
+
+    def replicate_groups(self) -> list[list[int]]:
+        return [[self.rank_of(q, s, t) for q in range(self.replicas)]
+                for s in range(self.shard) for t in range(self.tensor)]
+
+    def data_groups(self) -> list[list[int]]:
+        return [[self.rank_of(q, s, t) for q in range(self.replicas) for s in range(self.shard)]
+                for t in range(self.tensor)]
+
+    def tensor_groups(self) -> list[list[int]]:
+        return [[self.rank_of(q, s, t) for t in range(self.tensor)]
+                for q in range(self.replicas) for s in range(self.shard)]
+
+
+def resolve_dims(config: ParallelConfig, world_size: int, processes_per_node: int) -> ParallelDims:
+    """The mesh sizes ``config`` asks for on ``world_size`` ranks, or a ValueError naming the
+    value and what would work. Runs before any process group work, so a bad size never hangs."""
+    if processes_per_node < 1 or world_size % processes_per_node:
+        processes_per_node = world_size
+    tensor, data = config.tensor, config.data
+    if tensor == REST:
+        if world_size % data:
+            raise ValueError(
+                f"ParallelConfig.data={data} does not divide the world size {world_size}; pick a divisor of"
+                f" {world_size}, or -1 for the rest."
+            )
+        tensor = world_size // data
+    if world_size % tensor:
+        raise ValueError(
+            f"ParallelConfig.tensor={tensor} does not divide the world size {world_size} (devices x nodes);"
+            f" pick one of {_divisors(world_size)}."
+        )
+    if data == REST:
+        data = world_size // tensor
+    if data * tensor != world_size:
+        raise ValueError(
+            f"ParallelConfig data={config.data} x tensor={config.tensor} = {data * tensor} ranks, but the world has"
+            f" {world_size}; set data=-1 to take the rest, or make data x tensor = {world_size}."
+        )
+    if tensor > 1 and processes_per_node % tensor:
+        raise ValueError(
+            f"ParallelConfig.tensor={tensor} does not divide the {processes_per_node} processes per node, so a"
+            " tensor-parallel group would span nodes (its activations are all-reduced in every layer); pick"
+            f" one of {_divisors(processes_per_node)}."
+        )
+    shard = config.shard_size
+    if shard is None:
+        shard = data
+    elif shard == REST:
+        shard = max(1, min(data, processes_per_node // tensor))
+    if shard > data or data % shard:
+        raise ValueError(
+            f"ParallelConfig.shard_size={config.shard_size} must divide the {data} data-parallel ranks into equal"
+            f" shard groups; pick one of {_divisors(data)} (e.g. {max(1, processes_per_node // tensor)}, one node's"
+            " data-parallel ranks), or None to shard over all of them."
+        )
+    return ParallelDims(world=world_size, data=data, tensor=tensor, shard=shard)
+
+
+def _divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelGroups:
+    """The mesh and every group built from it, for one rank (see [Note: one mesh])."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+    data_group: dist.ProcessGroup  # every data-parallel rank of this tensor rank: the data is split over it
+    shard_group: dist.ProcessGroup  # the ranks ZeRO shards over
+    replicate_group: dist.ProcessGroup | None  # hybrid: this rank's replicas across shard groups
+    tensor_group: dist.ProcessGroup | None
+    shard_control_group: dist.ProcessGroup  # gloo, beside the shard group (agreement exchanges)
+    shard_reduce_group: dist.ProcessGroup  # the shard group's gradient reductions
+
+    @property
+    def tensor_mesh(self) -> DeviceMesh:
+        return self.mesh[TENSOR]
+
+    def engine_collectives(self, tensor_sharded: frozenset[object] = frozenset()) -> Collectives:
+        """Collectives over the shard group for the engine: reductions also across replicas, a
+        step's decisions over the world, norms of tensor-parallel shards over the tensor group."""
+        step_groups = StepGroups(everyone=dist.group.WORLD, tensor=self.tensor_group, tensor_sharded=tensor_sharded)
+        return Collectives(self.shard_group, control_group=self.shard_control_group,
+                           reduce_group=self.shard_reduce_group, replicate_group=self.replicate_group,
+                           step_groups=step_groups)
+
+
+def build_parallel_groups(dims: ParallelDims, device_type: str, backend: str,
+                          timeout: timedelta | None) -> ParallelGroups:
+    """Builds the mesh and the groups every rank needs (a collective over the world: every rank
+    calls it with the same ``dims``)."""
+    if dims.hybrid:
+        shape, names = (dims.replicas, dims.shard, dims.tensor), (REPLICATE, SHARD, TENSOR)
+    else:
+        shape, names = (dims.data, dims.tensor), (DATA, TENSOR)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if dims.hybrid:
+        mesh[(REPLICATE, SHARD)]._flatten(DATA)
+    rank = dist.get_rank()
+
+    def mine(rank_lists: list[list[int]], group_backend: str | None) -> dist.ProcessGroup:
+        # Every rank creates every sibling group, in the same order: new_group is collective over the world.
+        group, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout, backend=group_backend)
+        assert group is not None and rank in dist.get_process_group_ranks(group)
+        return group
+
+    shard_group = mesh.get_group(SHARD) if dims.hybrid else mesh.get_group(DATA)
+    control = shard_group if "gloo" in backend else mine(dims.shard_groups(), "gloo")
+    reduce_group = mine(dims.shard_groups(), backend)
+    return ParallelGroups(
+        dims=dims,
+        mesh=mesh,
+        data_group=mesh.get_group(DATA),
+        shard_group=shard_group,
+        replicate_group=mesh.get_group(REPLICATE) if dims.hybrid else None,
+        tensor_group=mesh.get_group(TENSOR) if dims.tensor > 1 else None,
+        shard_control_group=control,
+        shard_reduce_group=reduce_group,
+    )
+
+
+__all__ = ["ParallelDims", "ParallelGroups", "build_parallel_groups", "resolve_dims"]
