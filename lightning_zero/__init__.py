@@ -7,7 +7,7 @@ variants) with Lightning, so ``Trainer(strategy="zero2")`` works. Importing neve
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import CheckpointError, consolidate
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import ParallelConfig, ZeroConfig
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
 from lightning_zero.precision import ZeroPrecision
@@ -40,6 +40,7 @@ __all__ = [
     "LossScaleConfig",
     "LossScaler",
     "ModelStateBytes",
+    "ParallelConfig",
     "RanksDisagreeError",
     "ZeroConfig",
     "ZeroOptimizer",

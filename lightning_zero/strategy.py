@@ -60,6 +60,7 @@ from lightning_zero.checkpoint.state import (
     check_full_optimizer_states,
     check_full_state_fits,
     load_into,
+    MeshPlacement,
     model_entries,
     model_pieces,
     optimizer_entries,
@@ -68,6 +69,8 @@ from lightning_zero.checkpoint.state import (
     sharded_state,
 )
 from lightning_zero.config import ZeroConfig
+from lightning_zero.parallel.mesh import ParallelDims, ParallelGroups, build_parallel_groups, resolve_dims
+from lightning_zero.parallel.tensor import TensorParallelParams, materialize_tensor_parallel
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
@@ -142,6 +145,7 @@ class ZeroStrategy(ParallelStrategy):
             )
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"ZeroStrategy(state_dict_type={state_dict_type!r}) is not one of 'sharded', 'full'.")
+        _check_parallel_combination(self.config, state_dict_type, collectives)
         self._state_dict_type = state_dict_type
         self._checkpoint_applied = False  # the last load_checkpoint already put weights/optimizer in place
         self._num_nodes = 1
@@ -151,6 +155,10 @@ class ZeroStrategy(ParallelStrategy):
         self._collectives = collectives
         self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
         self._engine: ZeroEngine | None = None
+        # The mesh and its groups, when config.parallel asks for more than plain ZeRO (see [Note: one mesh]).
+        self._parallel: ParallelGroups | None = None
+        self._tensor_parallel: TensorParallelParams | None = None
+        self._engine_collectives: Collectives | CountingCollectives | None = None
         self._synced_backwards = 0  # backward calls whose gradients the next step reduces
         self._in_no_sync = False
         # The run stopped on an error every rank raised together (a checkpoint that could not be
@@ -211,7 +219,23 @@ class ZeroStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data is split over the data-parallel ranks only: tensor-parallel ranks see the same batch."""
+        if self._parallel is not None:
+            dims = self._parallel.dims
+            return {"num_replicas": dims.data, "rank": dims.data_rank(self.global_rank)}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def device_mesh(self) -> Any:
+        """The :class:`~torch.distributed.device_mesh.DeviceMesh` of ``config.parallel`` (dims
+        ``data``/``tensor``, or ``replicate``/``shard``/``tensor`` with ``data`` flattened from the
+        first two under hybrid sharding), also ``self.device_mesh`` in ``configure_model``; None for
+        plain ZeRO."""
+        return self._parallel.mesh if self._parallel is not None else None
+
+    @property
+    def parallel_dims(self) -> ParallelDims | None:
+        return self._parallel.dims if self._parallel is not None else None
 
     @property
     def process_group_backend(self) -> str | None:
@@ -242,6 +266,8 @@ class ZeroStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()
+        if self._parallel is not None and self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._parallel.mesh  # self.device_mesh in configure_model
 
     def _setup_distributed(self) -> None:
         reset_seed()
@@ -253,7 +279,13 @@ class ZeroStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        # Before the process group exists: a size that does not fit the world fails on every rank alike.
+        dims = resolve_dims(self.config.parallel, self.num_nodes * self.num_processes, self.num_processes)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._parallel = None
+        if not dims.trivial:
+            self._parallel = build_parallel_groups(dims, self.root_device.type, self._process_group_backend,
+                                                   self._timeout)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -263,10 +295,41 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def collectives(self) -> Collectives | CountingCollectives:
-        """The collectives over the data-parallel group, built once the process group exists."""
+        """The collectives over the world, built once the process group exists: the engine's
+        (without a mesh), and the ranks' agreements (see [Note: ranks that disagree])."""
         if self._collectives is None:
             self._collectives = Collectives(group=None)
         return self._collectives
+
+    @property
+    def engine_collectives(self) -> Collectives | CountingCollectives:
+        """The collectives the engine shards over: the world's, or on a mesh its shard group's."""
+        if self._parallel is None:
+            return self.collectives
+        if self._engine_collectives is None:
+            sharded = self._tensor_parallel.sharded if self._tensor_parallel is not None else frozenset()
+            self._engine_collectives = self._parallel.engine_collectives(sharded)
+        return self._engine_collectives
+
+    def _mesh_description(self) -> dict[str, Any]:
+        """The mesh a sharded checkpoint records it was written on (empty for plain ZeRO)."""
+        if self._parallel is None:
+            return {}
+        dims = self._parallel.dims
+        placements = {}
+        if self._tensor_parallel is not None:
+            placements = {spec.name: ", ".join(map(repr, spec.placements)) for _, spec in self._tensor_parallel.items()}
+        return {"data": dims.data, "tensor": dims.tensor, "shard": dims.shard, "placements": placements}
+
+    def _mesh_placement(self) -> MeshPlacement | None:
+        """Where this rank's pieces lie in a checkpoint's global tensors (see [Note: checkpoint
+        layout with a mesh]); None without a mesh."""
+        if self._parallel is None:
+            return None
+        dims = self._parallel.dims
+        replica, shard_rank, tensor_rank = dims.coordinates(self.global_rank)
+        holders = tuple(tuple(dims.rank_of(replica, s, t) for s in range(dims.shard)) for t in range(dims.tensor))
+        return MeshPlacement(shard_rank, holders, tensor_rank, replica == 0, self._tensor_parallel)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -295,18 +358,66 @@ class ZeroStrategy(ParallelStrategy):
         assert module is not None
         precision = self.precision_plugin
         assert isinstance(precision, ZeroPrecision)
+        self._localize_tensor_parallel(module)
         on_meta = self.config.stage == 3 and any(p.is_meta for p in module.parameters())
         if on_meta:
             _materialize_meta_buffers(module, self.root_device)
         else:
             self.model_to_device()
-            if self.world_size > 1:
+            if self._parallel is not None:
+                # From data-parallel rank 0's weights: tensor ranks hold different parts, but what
+                # they replicate (embeddings, norms, buffers) must be tensor rank 0's on all of them.
+                _sync_module_states_over(module, self._parallel.data_group)
+                if self._tensor_parallel is not None and self._parallel.tensor_group is not None:
+                    _sync_module_states_over(module, self._parallel.tensor_group, skip=self._tensor_parallel.sharded)
+            elif self.world_size > 1:
                 # Every rank must start from rank 0's weights, as with DDP.
                 _sync_module_states(module)
-        self._engine = make_engine(module, self.collectives, self.config, precision.param_dtype, self.root_device,
-                                   init=_reset_parameters if on_meta else None)
+        self._engine = make_engine(module, self.engine_collectives, self.config, precision.param_dtype,
+                                   self.root_device, init=_reset_parameters if on_meta else None)
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.install_hooks()
         if self._engine.stage_shards_params:
             self._rebuild_weight_averages()
+
+    def _localize_tensor_parallel(self, module: Module) -> None:
+        """The DTensor parameters of a tensor-parallel plan become local parameters the engine
+        shards (see [Note: local tensor-parallel parameters]); a plan built on the meta device is
+        materialized first, as DTensors, so that each part is initialized as part of the whole."""
+        previous = self._tensor_parallel or TensorParallelParams.of(module)
+        if previous is not None:  # a previous setup's: start again from the plan's DTensors
+            previous.restore_dtensors()
+        self._tensor_parallel = None
+        self._engine_collectives = None
+        if self._parallel is None or self._parallel.dims.tensor == 1:
+            if TensorParallelParams.has_dtensors(module):
+                raise ValueError(
+                    "The model has DTensor parameters but ZeroStrategy has no tensor-parallel dimension. Set"
+                    " ZeroConfig(parallel=ParallelConfig(tensor=N)) and apply the plan with self.device_mesh['tensor']"
+                    " in configure_model."
+                )
+            return
+        tensor = self._parallel.dims.tensor
+        if not TensorParallelParams.has_dtensors(module):
+            raise ValueError(
+                f"ZeroConfig.parallel.tensor={tensor} but the model has no tensor-parallel parameters: apply a plan in"
+                " configure_model, e.g. lightning_zero.parallel.parallelize_gpt(self, self.device_mesh['tensor']) or"
+                " torch.distributed.tensor.parallel.parallelize_module(self, self.device_mesh['tensor'], plan), or"
+                " set tensor=1."
+            )
+        trainer = module._trainer
+        if trainer is not None and any(isinstance(c, _WEIGHT_AVERAGING_CALLBACKS) for c in trainer.callbacks):
+            raise ValueError(
+                "StochasticWeightAveraging / WeightAveraging callbacks are not supported with tensor parallelism"
+                f" (ZeroConfig.parallel.tensor={tensor}) yet: their copy of the model would hold one tensor rank's part."
+                " Remove the callback or set tensor=1."
+            )
+        if any(p.is_meta for p in module.parameters()):
+            for submodule in module.modules():  # before allocating anything
+                _check_resettable(submodule)
+            _materialize_meta_buffers(module, self.root_device)
+            materialize_tensor_parallel(module, self.root_device, _reset_parameters)
+        self._tensor_parallel = TensorParallelParams(module, self._parallel.tensor_mesh)
 
     def _rebuild_weight_averages(self) -> None:
         """Lightning's StochasticWeightAveraging and EMAWeightAveraging copy the module in their
@@ -569,6 +680,7 @@ class ZeroStrategy(ParallelStrategy):
     def state_dict_type(self, value: StateDictType) -> None:
         if value not in ("sharded", "full"):
             raise ValueError(f"ZeroStrategy.state_dict_type={value!r} is not one of 'sharded', 'full'.")
+        _check_parallel_combination(self.config, value, None)
         self._state_dict_type = value
 
     def _model_pieces(self) -> list[ParamPiece]:
@@ -583,7 +695,7 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if self._state_dict_type == "sharded":
-            return model_entries(module, self._model_pieces(), group=None)
+            return model_entries(module, self._model_pieces(), group=None, placement=self._mesh_placement())
         return self._engine.full_state_dict() if self._engine is not None else module.state_dict()
 
     @override
@@ -592,7 +704,8 @@ class ZeroStrategy(ParallelStrategy):
         if self._state_dict_type == "sharded" and isinstance(inner, ShardedOptimizer):
             module = self.lightning_module
             assert module is not None
-            entries, description = optimizer_entries(inner, param_names(module), group=None)
+            entries, description = optimizer_entries(inner, param_names(module), group=None,
+                                                     placement=self._mesh_placement())
             return {"state": entries, META_KEY: description}
         return super().optimizer_state(optimizer)
 
@@ -617,9 +730,11 @@ class ZeroStrategy(ParallelStrategy):
             model, average = checkpoint.pop("current_model_state"), model
             checkpoint[_AVERAGE_MARK] = True
         optimizers = [(state["state"], state[META_KEY]) for state in checkpoint.pop("optimizer_states", [])]
-        state = sharded_state(module, model, optimizers, checkpoint, self.world_size, self.config.stage, group=None)
+        state = sharded_state(module, model, optimizers, checkpoint, self.world_size, self.config.stage, group=None,
+                              parallel=self._mesh_description())
         if average is not None:
-            state[AVERAGE_KEY] = average_entries(module, average, self._model_pieces(), group=None)
+            state[AVERAGE_KEY] = average_entries(module, average, self._model_pieces(), group=None,
+                                                 placement=self._mesh_placement())
         save_sharded(path, state, group=None)
 
     @override
@@ -636,7 +751,8 @@ class ZeroStrategy(ParallelStrategy):
         if is_sharded_checkpoint(path) or path.is_dir():
             optimizers = self.zero_optimizers if fitting else None
             try:
-                meta = load_into(path, module, self._model_pieces(), optimizers, group=None, strict=module.strict_loading)
+                meta = load_into(path, module, self._model_pieces(), optimizers, group=None,
+                                 strict=module.strict_loading, placement=self._mesh_placement())
             except CheckpointError:
                 self._failed_on_every_rank = True  # load_into's ranks agree on its errors
                 raise
@@ -645,13 +761,23 @@ class ZeroStrategy(ParallelStrategy):
             checkpoint = dict(meta.lightning)
             if checkpoint.pop(_AVERAGE_MARK, False):
                 # WeightAveraging's three keys, as its on_load_checkpoint expects them
-                checkpoint["state_dict"] = load_average(path, read_metadata(path), module, self._model_pieces(), None)
+                checkpoint["state_dict"] = load_average(path, read_metadata(path), module, self._model_pieces(), None,
+                                                        self._mesh_placement())
                 checkpoint["current_model_state"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
             has_optimizer_state = bool(meta.optimizers)
             if has_optimizer_state:
                 checkpoint["optimizer_states"] = []  # already in place; Lightning only checks the key
         else:
             checkpoint = load_full_checkpoint(path)
+            if self._tensor_parallel is not None:
+                checkpoint["state_dict"] = self._tensor_parallel.local_state_dict(module, checkpoint["state_dict"])
+                if fitting and "optimizer_states" in checkpoint:
+                    raise CheckpointError(
+                        f"{path} is a full checkpoint with optimizer state; under tensor parallelism only its weights"
+                        " can be loaded (the optimizer state would need cutting per tensor rank). Resume from a"
+                        " sharded checkpoint, or load the weights only (e.g. with a new run's ckpt_path=None and"
+                        " load_state_dict). Nothing was loaded."
+                    )
             pieces = self._model_pieces()
             check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading, pieces=pieces)
             has_optimizer_state = "optimizer_states" in checkpoint
@@ -842,11 +968,45 @@ def _materialize_meta_buffers(module: Module, device: torch.device) -> None:
                 submodule._buffers[name] = torch.empty_like(buffer, device=device)
 
 
+def _sync_module_states_over(module: Module, group: torch.distributed.ProcessGroup,
+                             skip: frozenset[torch.nn.Parameter] = frozenset()) -> None:
+    """Every rank of ``group`` takes the parameters (but ``skip``) and buffers of its first rank."""
+    from torch.distributed.utils import _sync_params_and_buffers
+
+    if torch.distributed.get_world_size(group) == 1:
+        return
+    states = [p.detach() for p in dict.fromkeys(module.parameters()) if p not in skip]
+    states += [b.detach() for b in module.buffers()]
+    _sync_params_and_buffers(group, states, 250 * 1024 * 1024, 0)
+
+
+def _check_parallel_combination(config: ZeroConfig, state_dict_type: str, collectives: object) -> None:
+    """Refuses, at construction, what a mesh does not support yet (before any process starts)."""
+    parallel = config.parallel
+    if parallel.is_trivial:
+        return
+    if collectives is not None:
+        raise ValueError(
+            f"ZeroStrategy(collectives=...) cannot be combined with ZeroConfig.parallel={parallel}: the engine's"
+            " collectives are built over the mesh's shard group. Drop collectives=, or use plain ZeRO."
+        )
+    if parallel.tensor != 1 and state_dict_type == "full":
+        raise ValueError(
+            f"ZeroStrategy(state_dict_type='full') is not supported with tensor parallelism (tensor={parallel.tensor}):"
+            " use the default 'sharded' checkpoints, which hold the global tensors, and export one file with"
+            " `lightning-zero consolidate`."
+        )
+
+
 def _reset_parameters(module: Module) -> None:
+    _check_resettable(module)
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
-    elif any(True for _ in module.parameters(recurse=False)):
+
+
+def _check_resettable(module: Module) -> None:
+    if not callable(getattr(module, "reset_parameters", None)) and any(True for _ in module.parameters(recurse=False)):
         raise ValueError(
             f"{type(module).__name__} was built on the meta device (configure_model under ZeRO-3) but has no"
             " reset_parameters() to initialize its parameters once they are allocated. Define"

@@ -112,9 +112,16 @@ class CheckpointMeta:
     lightning: dict[str, Any] = field(default_factory=dict)  # the rest of Lightning's checkpoint
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
+    # On a mesh, what wrote it (for the record: the tensors are global whatever it was): the
+    # sizes {"data", "tensor", "shard"} and each tensor-parallel parameter's placement by name,
+    # e.g. {"blocks.0.attn.qkv.weight": "Shard(dim=0)"} (see [Note: checkpoint layout with a mesh]).
+    parallel: dict[str, Any] = field(default_factory=dict)
 
     def to_entry(self) -> io.BytesIO:
-        return object_entry(dict(self.__dict__))
+        entry = dict(self.__dict__)
+        if not entry["parallel"]:
+            del entry["parallel"]  # as before meshes existed, so that older readers take it
+        return object_entry(entry)
 
     @classmethod
     def from_dict(cls, path: Path, value: Any) -> CheckpointMeta:
@@ -189,30 +196,46 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[t
 @dataclass(frozen=True)
 class FlatShards:
     """How one tensor's elements are split over ranks: ``ranges[r]`` is the part of the
-    flattened tensor rank r holds (ranges are disjoint and cover it)."""
+    flattened tensor rank r holds (ranges are disjoint and cover it).
+
+    Under tensor parallelism the tensor split by ``ranges`` is one block of a larger global tensor
+    (see [Note: checkpoint layout with a mesh]): ``global_shape`` is that tensor's, and
+    ``blocks`` lists, for every block, where it starts and the global rank holding each range of
+    it; ``block`` is the one this rank holds. Without them the tensor is the whole one and the
+    ranges' holders are the ranks of the group.
+    """
 
     shape: tuple[int, ...]
     ranges: tuple[Range, ...]
+    global_shape: tuple[int, ...] | None = None
+    blocks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()  # (offsets, holder rank per range)
+    block: int = 0
 
     def sharded_tensor(self, local: Tensor, rank: int, group: dist.ProcessGroup | None) -> ShardedTensor:
         """``local`` [ranges[rank].size], 1-d: this rank's elements. The result's local shards are
         views of it, so a DCP load writes straight into ``local``."""
         if local.numel() != self.ranges[rank].size:
             raise ValueError(f"rank {rank} holds {local.numel()} elements but its range is {self.ranges[rank]}")
-        global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(self.ranges)))
+        blocks = self.blocks
+        if not blocks:
+            global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(self.ranges)))
+            blocks = (((0,) * len(self.shape), tuple(global_ranks)),)
         device = local.device
         shards_md: list[ShardMetadata] = []
         local_shards: list[Shard] = []
-        for owner, owned in enumerate(self.ranges):
-            for offsets, sizes, flat in flat_range_boxes(self.shape, owned.start, owned.end):
-                md = ShardMetadata(list(offsets), list(sizes), f"rank:{global_ranks[owner]}/{device}")
-                shards_md.append(md)
-                if owner == rank:
-                    piece = local[flat.start - owned.start : flat.end - owned.start].view(sizes)
-                    local_shards.append(Shard(piece, md))
+        for number, (origin, holders) in enumerate(blocks):
+            for owner, owned in enumerate(self.ranges):
+                for offsets, sizes, flat in flat_range_boxes(self.shape, owned.start, owned.end):
+                    placed = [origin[d] + offsets[d] for d in range(len(offsets))]
+                    md = ShardMetadata(placed, list(sizes), f"rank:{holders[owner]}/{device}")
+                    shards_md.append(md)
+                    if owner == rank and number == self.block:
+                        piece = local[flat.start - owned.start : flat.end - owned.start].view(sizes)
+                        local_shards.append(Shard(piece, md))
         properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
                                       memory_format=torch.contiguous_format, pin_memory=local.is_pinned())
-        metadata = ShardedTensorMetadata(shards_md, torch.Size(self.shape), properties)
+        shape = self.global_shape if self.global_shape is not None else self.shape
+        metadata = ShardedTensorMetadata(shards_md, torch.Size(shape), properties)
         with quiet_dcp():
             return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
 

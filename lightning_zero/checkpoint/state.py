@@ -4,8 +4,9 @@ into any layout (see [Note: checkpoint layout] in sharded.py). Plain PyTorch, no
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.layout import ParamPiece
 from lightning_zero.zero.optimizer import ShardedOptimizer, _check_full_optimizer_state
 
+if TYPE_CHECKING:
+    from lightning_zero.parallel.tensor import TensorParallelParams
+
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:
     """State-dict keys whose tensor another key (the first, in order) already holds: tied weights."""
@@ -56,8 +60,54 @@ def param_names(module: nn.Module) -> dict[nn.Parameter, str]:
     return {param: name for name, param in module.named_parameters()}
 
 
-def _sharded(piece: ParamPiece, local: Tensor, rank: int, group: dist.ProcessGroup | None) -> Any:
+# [Note: checkpoint layout with a mesh]
+# On a mesh ([Note: one mesh] in parallel/mesh.py) the engine's pieces split each parameter's
+# *local* tensor over the shard group, and the checkpoint still holds *global* tensors, so that
+# it loads at another data-parallel, shard or tensor size: a tensor-parallel rank's local tensor is
+# one block of the global tensor (rows for ColwiseParallel, columns for RowwiseParallel), and each
+# piece's boxes are placed inside that block. The ShardedTensor a rank builds lists every block
+# (one per tensor rank, with the global ranks holding its ranges) for a sharded parameter, and its
+# own shard group's ranges for a parameter replicated over the tensor ranks. At a save, the ranks
+# of the first replica offer their pieces (replicas hold the same), and a replicated parameter
+# only from tensor rank 0; at a load every rank reads its own.
+@dataclass(frozen=True, eq=False)
+class MeshPlacement:
+    """Where this rank's pieces lie among every rank's, on a mesh (see the note above)."""
+
+    rank: int  # this rank's index into a piece's ranges: its rank in the shard group
+    holders: tuple[tuple[int, ...], ...]  # holders[t]: the global ranks of tensor rank t's shard group
+    tensor_rank: int
+    first_replica: bool
+    tensor: TensorParallelParams | None = None
+
+    def shards(self, piece: ParamPiece) -> FlatShards:
+        spec = self.tensor.spec(piece.param) if self.tensor is not None else None
+        if spec is None or spec.dim is None:
+            origin = (0,) * len(piece.shape)
+            return FlatShards(piece.shape, piece.ranges, blocks=((origin, self.holders[self.tensor_rank]),))
+        blocks = tuple((spec.box_offsets(t), self.holders[t]) for t in range(len(self.holders)))
+        return FlatShards(piece.shape, piece.ranges, spec.global_shape, blocks, self.tensor_rank)
+
+    def offers(self, piece: ParamPiece) -> bool:
+        """Whether this rank's piece goes into a save (see the note above)."""
+        spec = self.tensor.spec(piece.param) if self.tensor is not None else None
+        return self.first_replica and (self.tensor_rank == 0 or (spec is not None and spec.dim is not None))
+
+    def global_shape(self, piece: ParamPiece) -> tuple[int, ...]:
+        spec = self.tensor.spec(piece.param) if self.tensor is not None else None
+        return spec.global_shape if spec is not None else piece.shape
+
+
+def _sharded(piece: ParamPiece, local: Tensor, rank: int, group: dist.ProcessGroup | None,
+             placement: MeshPlacement | None = None) -> Any:
+    if placement is not None:
+        return placement.shards(piece).sharded_tensor(local, placement.rank, None)
     return FlatShards(piece.shape, piece.ranges).sharded_tensor(local, rank, group)
+
+
+def _piece_rank(group: dist.ProcessGroup | None, placement: MeshPlacement | None) -> int:
+    """This rank's index into a piece's ranges."""
+    return placement.rank if placement is not None else rank_of(group)
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -65,7 +115,8 @@ def is_extra_state(key: str) -> bool:
     return key == _EXTRA_STATE_KEY_SUFFIX or key.endswith("." + _EXTRA_STATE_KEY_SUFFIX)
 
 
-def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None) -> dict[str, Any]:
+def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None,
+                  placement: MeshPlacement | None = None) -> dict[str, Any]:
     """The module's state dict for a sharded save: a parameter with a master piece is saved as the
     fp32 master values, sharded like the pieces; everything else whole, from rank 0 only.
 
@@ -82,7 +133,8 @@ def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.P
             continue
         piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
         if piece is not None and piece.numel > 0:
-            entries[key] = _sharded(piece, piece.master, rank, group)
+            if placement is None or placement.offers(piece):
+                entries[key] = _sharded(piece, piece.master, _piece_rank(group, placement), group, placement)
         elif rank != 0:
             continue
         elif is_extra_state(key):
@@ -105,7 +157,8 @@ AVERAGE_KEY = "weight_average"
 
 
 def average_entries(
-    module: nn.Module, average: Mapping[str, Any], pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None
+    module: nn.Module, average: Mapping[str, Any], pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None,
+    placement: MeshPlacement | None = None,
 ) -> dict[str, Any]:
     """A weight average's state dict (keyed like the module's) for a sharded save."""
     rank = rank_of(group)
@@ -114,18 +167,21 @@ def average_entries(
     for key, value in average.items():
         piece = by_key.get(key)
         if isinstance(value, Tensor) and piece is not None and value.numel() != piece.numel:
-            entries[key] = _sharded(piece, value.detach().reshape(-1), rank, group)  # stage 3: this rank's piece
+            if placement is None or placement.offers(piece):  # stage 3: this rank's piece
+                entries[key] = _sharded(piece, value.detach().reshape(-1), _piece_rank(group, placement), group,
+                                        placement)
         elif rank == 0:
             entries[key] = value.detach() if isinstance(value, Tensor) else object_entry(value)
     return entries
 
 
 def load_average(
-    path: Path, metadata: Metadata, module: nn.Module, pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None
+    path: Path, metadata: Metadata, module: nn.Module, pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None,
+    placement: MeshPlacement | None = None,
 ) -> dict[str, Any]:
     """The weight average saved by :func:`average_entries`, each tensor as this rank's parameter
     holds it (a piece where the parameter shows one). A collective."""
-    rank = rank_of(group)
+    rank = _piece_rank(group, placement)
     by_key = _pieces_by_key(module, pieces)
     mine = dict(module.state_dict())
     prefix = AVERAGE_KEY + "."
@@ -141,7 +197,7 @@ def load_average(
             targets[key] = None
         elif piece is not None and isinstance(current, Tensor) and current.numel() != piece.numel:
             local[key] = torch.zeros(piece.ranges[rank].size, dtype=md.properties.dtype)
-            targets[key] = _sharded(piece, local[key], rank, group)
+            targets[key] = _sharded(piece, local[key], rank, group, placement)
         else:
             local[key] = targets[key] = torch.zeros(md.size, dtype=md.properties.dtype)
     state = {AVERAGE_KEY: targets}
@@ -157,7 +213,8 @@ def _pieces_by_key(module: nn.Module, pieces: Sequence[ParamPiece]) -> dict[str,
 
 
 def optimizer_entries(
-    optimizer: ShardedOptimizer, names: Mapping[nn.Parameter, str], group: dist.ProcessGroup | None
+    optimizer: ShardedOptimizer, names: Mapping[nn.Parameter, str], group: dist.ProcessGroup | None,
+    placement: MeshPlacement | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(this rank's state tensors by parameter name, the optimizer's description for the meta).
 
@@ -173,8 +230,9 @@ def optimizer_entries(
         for key, value in state.items():
             if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == piece.holder.numel():
                 per_element.add(key)
-                if piece.numel > 0:
-                    entry[key] = _sharded(piece, piece.in_holder.slice(value), rank, group)
+                if piece.numel > 0 and (placement is None or placement.offers(piece)):
+                    entry[key] = _sharded(piece, piece.in_holder.slice(value), _piece_rank(group, placement), group,
+                                          placement)
             elif rank == 0:  # the same on every rank; saved once (see model_entries)
                 entry[key] = value.detach() if isinstance(value, Tensor) else value
         if entry:
@@ -208,8 +266,10 @@ def sharded_state(
     world_size: int,
     stage: int,
     group: dist.ProcessGroup | None,
+    parallel: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The DCP state dict of one rank: its model and optimizer entries; rank 0 adds the meta."""
+    """The DCP state dict of one rank: its model and optimizer entries; rank 0 adds the meta
+    (with ``parallel``, the mesh's description: see CheckpointMeta.parallel)."""
     state: dict[str, Any] = {MODEL_KEY: model}
     for index, (entries, _) in enumerate(optimizers):
         if entries:  # before the first step an optimizer has no state; DCP would record no key for {}
@@ -224,6 +284,7 @@ def sharded_state(
             param_dtypes={k: str(v.dtype) for k, v in module_state.items() if isinstance(v, nn.Parameter)},
             optimizers=[description for _, description in optimizers],
             lightning=lightning,
+            parallel=dict(parallel or {}),
         )
         state[META_KEY] = meta.to_entry()
     return state
@@ -237,6 +298,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
     checksums: bool = True,
+    placement: MeshPlacement | None = None,
 ) -> None:
     """Saves a ZeRO model (and optimizers) as a sharded checkpoint, without Lightning; ``extra``
     is kept as the checkpoint's Lightning part (``CheckpointMeta.lightning``). ``checksums=False``
@@ -245,8 +307,9 @@ def save_checkpoint(
     names = param_names(module)
     stage = engine.config.stage if engine is not None else max([o.config.stage for o in optimizers] + [1])
     world = dist.get_world_size(group) if is_distributed() else 1
-    state = sharded_state(module, model_entries(module, pieces, group),
-                          [optimizer_entries(o, names, group) for o in optimizers], dict(extra or {}), world, stage, group)
+    state = sharded_state(module, model_entries(module, pieces, group, placement),
+                          [optimizer_entries(o, names, group, placement) for o in optimizers], dict(extra or {}), world,
+                          stage, group)
     save_sharded(path, state, group, checksums=checksums)
 
 
@@ -258,12 +321,13 @@ def load_checkpoint(
     group: dist.ProcessGroup | None = None,
     strict: bool = True,
     verify: bool = True,
+    placement: MeshPlacement | None = None,
 ) -> dict[str, Any]:
     """Loads a sharded checkpoint (any world size and stage) into a ZeRO model and, if given, its
     optimizers, without Lightning; returns the checkpoint's Lightning part. ``verify=False`` skips
     the checksums (to measure their cost). A collective."""
     pieces = model_pieces(engine, optimizers or ())
-    meta = load_into(resolve_checkpoint_path(path), module, pieces, optimizers, group, strict, verify)
+    meta = load_into(resolve_checkpoint_path(path), module, pieces, optimizers, group, strict, verify, placement)
     publish_masters(engine, optimizers or ())
     return meta.lightning
 
@@ -281,14 +345,14 @@ def publish_masters(engine: ZeroEngine | None, optimizers: Sequence[ShardedOptim
 # ---------------------------------------------------------------------------------------- load
 def check_model_fits(
     path: Path, metadata: Metadata, meta: CheckpointMeta, module: nn.Module, strict: bool,
-    pieces: Sequence[ParamPiece] = (),
+    pieces: Sequence[ParamPiece] = (), placement: MeshPlacement | None = None,
 ) -> None:
     """Raises CheckpointError naming every missing, unexpected and mis-shaped key (before anything loads)."""
     prefix = MODEL_KEY + "."
     saved = {k[len(prefix) :]: md.size for k, md in metadata.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     shapes = {key: saved[meta.aliases.get(key, key)] for key in meta.model_keys if meta.aliases.get(key, key) in saved}
-    _check_fits(path, meta.model_keys, shapes, module, strict, pieces)
+    _check_fits(path, meta.model_keys, shapes, module, strict, pieces, placement)
 
 
 def true_shapes(pieces: Sequence[ParamPiece]) -> dict[nn.Parameter, tuple[int, ...]]:
@@ -299,11 +363,12 @@ def true_shapes(pieces: Sequence[ParamPiece]) -> dict[nn.Parameter, tuple[int, .
 
 def _check_fits(
     path: Path, saved_keys: Sequence[str], saved_shapes: Mapping[str, Sequence[int]], module: nn.Module, strict: bool,
-    pieces: Sequence[ParamPiece] = (),
+    pieces: Sequence[ParamPiece] = (), placement: MeshPlacement | None = None,
 ) -> None:
-    """The one comparison of a checkpoint's keys and tensor shapes with the module's state dict."""
+    """The one comparison of a checkpoint's keys and tensor shapes with the module's state dict
+    (global shapes under tensor parallelism: see [Note: checkpoint layout with a mesh])."""
     mine = module.state_dict(keep_vars=True)
-    shapes = true_shapes(pieces)
+    shapes = true_shapes(pieces) if placement is None else {p.param: placement.global_shape(p) for p in pieces}
     mine_shapes = {key: shapes.get(value, tuple(value.shape)) for key, value in mine.items() if isinstance(value, Tensor)}
     keys = set(saved_keys)
     missing = [k for k in mine if k not in keys]
@@ -354,13 +419,13 @@ class _OptimizerLoad:
     """The DCP targets for one optimizer's state, and how they become its state afterwards."""
 
     def __init__(self, optimizer: ShardedOptimizer, saved: dict[str, Any], metadata: Metadata,
-                 index: int, group: dist.ProcessGroup | None) -> None:
+                 index: int, group: dist.ProcessGroup | None, placement: MeshPlacement | None = None) -> None:
         self.optimizer = optimizer
         self.saved = saved
         self.targets: dict[str, dict[str, Any]] = {}
         self.state: dict[int, tuple[Tensor, dict[str, Any]]] = {}  # id(holder) -> (holder, state)
         self._scalars: list[tuple[Tensor, str, str]] = []  # (holder, param name, state key)
-        rank = rank_of(group)
+        rank = _piece_rank(group, placement)
         per_element = set(saved["per_element"])
         by_name = saved_state_keys(metadata, optimizer_key(index))
         for piece in optimizer.param_pieces():
@@ -371,7 +436,7 @@ class _OptimizerLoad:
                     full = holder_state.get(state_key)
                     if full is None:
                         full = holder_state[state_key] = torch.zeros_like(piece.holder, dtype=md.properties.dtype)
-                    entry[state_key] = _sharded(piece, piece.in_holder.slice(full), rank, group)
+                    entry[state_key] = _sharded(piece, piece.in_holder.slice(full), rank, group, placement)
                 elif isinstance(md, TensorStorageMetadata):
                     entry[state_key] = torch.zeros(md.size, dtype=md.properties.dtype)
                     self._scalars.append((piece.holder, piece.name, state_key))
@@ -408,6 +473,7 @@ def load_into(
     group: dist.ProcessGroup | None,
     strict: bool = True,
     verify: bool = True,
+    placement: MeshPlacement | None = None,
 ) -> CheckpointMeta:
     """Loads a sharded checkpoint into the module (and, unless ``optimizers`` is None, their
     states), whatever world size and stage wrote it. Checks everything, checksums included, before
@@ -418,7 +484,7 @@ def load_into(
     try:
         metadata = read_metadata(path)
         meta = read_meta(path, metadata)
-        check_model_fits(path, metadata, meta, module, strict, model_pieces)
+        check_model_fits(path, metadata, meta, module, strict, model_pieces, placement)
         names = param_names(module)
         loaded = [MODEL_KEY]
         if optimizers is not None and meta.optimizers:
@@ -429,7 +495,7 @@ def load_into(
     if failure is None and verify:
         failure = verify_share(path, metadata, under(loaded), group)
     agree(failure, group)
-    rank = rank_of(group)
+    rank = _piece_rank(group, placement)
     saved_model = {k[len(MODEL_KEY) + 1 :] for k in metadata.state_dict_metadata if k.startswith(MODEL_KEY + ".")}
     by_param = {piece.param: piece for piece in model_pieces}
     model_targets: dict[str, Any] = {}
@@ -447,7 +513,7 @@ def load_into(
             continue  # missing, allowed by strict=False
         piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
         if piece is not None and piece.numel > 0:
-            target: Any = _sharded(piece, piece.master, rank, group)
+            target: Any = _sharded(piece, piece.master, rank, group, placement)
         elif is_extra_state(key):
             target = None  # DCP puts the saved object here
             extra_state.append((key, source))
@@ -461,7 +527,7 @@ def load_into(
     state: dict[str, Any] = {MODEL_KEY: model_targets}
     if optimizers is not None and meta.optimizers:
         for index, (optimizer, saved) in enumerate(zip(optimizers, meta.optimizers)):
-            load = _OptimizerLoad(optimizer, saved, metadata, index, group)
+            load = _OptimizerLoad(optimizer, saved, metadata, index, group, placement)
             if load.targets:  # saved before its first step: no state to read, only hyperparameters
                 state[optimizer_key(index)] = load.targets
             loads.append(load)
