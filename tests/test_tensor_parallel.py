@@ -1,0 +1,401 @@
+"""Tensor parallel x ZeRO and hybrid sharding on 4 gloo ranks, against a single-process run.
+
+One group of 4 ranks runs every sub-case (starting ranks costs seconds); the tests below read
+its results. Every run trains in fp32 on the same global batch as the reference (the
+DistributedSampler deals one shuffled order out to the data-parallel ranks, and the
+reference's batch is their union), so the losses and the whole weights must agree up to float reordering: a
+column- or row-parallel matmul sums its products in another order, and gradients are averaged
+over ranks instead of over one batch. After 4 AdamW steps that stays below 2e-5 (Adam divides
+by sqrt(v), so a relative difference of ~1e-7 in a gradient becomes ~1e-7 of the learning rate
+per step); the tolerance is 1e-4 absolute.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from harness import launched_environment, run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
+from model import GPT  # noqa: E402
+
+from lightning_zero import CPUOffloadPolicy, ParallelConfig, ZeroConfig, ZeroStrategy  # noqa: E402
+from lightning_zero.parallel import hf_gpt2_state_dict_to_hf, parallelize_gpt, parallelize_hf_gpt2  # noqa: E402
+
+WORLD = 4
+VOCAB, SEQ = 32, 8
+STEPS = 4
+PER_RANK_BATCH = 4
+TOLERANCE = 1e-4
+
+
+def token_data(samples: int, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=generator)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+class TensorParallelGPT(GPT):
+    """The demo GPT, split by ``parallelize_gpt`` when the mesh has a tensor dimension, with plain
+    AdamW (no schedule) so the reference loop is a few lines."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32, weight_decay=0.0)
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is not None and "tensor" in (mesh.mesh_dim_names or ()) and mesh["tensor"].size() > 1:
+            parallelize_gpt(self, mesh["tensor"])
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
+
+
+class HFGPT2(pl.LightningModule):
+    """Hugging Face GPT-2 built from a config, split by ``parallelize_hf_gpt2``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+        self.model = GPT2LMHeadModel(config)
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is not None and "tensor" in (mesh.mesh_dim_names or ()) and mesh["tensor"].size() > 1:
+            parallelize_hf_gpt2(self.model, mesh["tensor"])
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        tokens, targets = batch
+        logits = self.model(input_ids=tokens).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
+
+
+class MetaGPT(TensorParallelGPT):
+    """The demo GPT built in configure_model (on the meta device at stage 3), then split: every
+    part is initialized by reset_parameters as a part of the whole tensor."""
+
+    def _init_layers(self, config: Any) -> None:
+        self._config = config  # built in configure_model
+
+    def _init_weights(self) -> None:
+        pass
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "blocks"):
+            GPT._init_layers(self, self._config)
+            super().configure_model()
+
+    def on_train_start(self) -> None:
+        with self.trainer.strategy.engine.gathered(writeback=False):
+            self.initial = {name: p.detach().clone() for name, p in self.named_parameters()}
+
+
+MODELS = {"gpt": TensorParallelGPT, "hf_gpt2": HFGPT2, "gpt_meta": MetaGPT}
+
+
+# ---------------------------------------------------------------------------------------- ranks
+def _trainer(strategy: ZeroStrategy, steps: int, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+def _local_params(module: nn.Module, strategy: ZeroStrategy) -> dict[str, tuple[Tensor, int | None]]:
+    """Each parameter as this rank holds it after fit, with the dim it is split along over the tensor ranks."""
+    specs = strategy._tensor_parallel.specs if strategy._tensor_parallel is not None else {}
+    out = {}
+    for name, param in module.named_parameters():
+        spec = specs.get(param)
+        out[name] = (param.detach().clone(), spec.dim if spec is not None else None)
+    return out
+
+
+def _run(name: str, config: ZeroConfig, data_size: int, steps: int = STEPS, samples: int = 256,
+         ckpt_save: str | None = None, ckpt_path: str | None = None) -> dict[str, Any]:
+    module = MODELS[name]()
+    strategy = ZeroStrategy(config=config)
+    batch = PER_RANK_BATCH * 2 // data_size  # every layout trains on a global batch of 8
+    loader = DataLoader(token_data(samples), batch_size=batch, shuffle=False)
+    with launched_environment():
+        trainer = _trainer(strategy, steps)
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+        bytes_ = strategy.model_state_bytes()
+        if ckpt_save is not None:
+            trainer.save_checkpoint(ckpt_save)
+    return {"losses": module.losses, "params": _local_params(module, strategy), "bytes": bytes_,
+            "dims": strategy.parallel_dims, "initial": getattr(module, "initial", None)}
+
+
+class NoPlanGPT(TensorParallelGPT):
+    def configure_model(self) -> None:
+        pass
+
+
+class MissingModuleGPT(TensorParallelGPT):
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        from lightning_zero.parallel import apply_plan
+
+        apply_plan(self, self.device_mesh["tensor"], {"blocks.0.attn.qkvv": ColwiseParallel()})
+
+
+class TwoHeadGPT(TensorParallelGPT):
+    def __init__(self) -> None:
+        GPT.__init__(self, vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=2, n_embd=32)
+        self.losses = []
+
+
+def _error_of(module: pl.LightningModule, parallel: ParallelConfig) -> str:
+    """What fit raises on this rank (every rank must raise, none may hang)."""
+    try:
+        with launched_environment():
+            _trainer(ZeroStrategy(config=ZeroConfig(stage=2, parallel=parallel)), 1).fit(
+                module, train_dataloaders=DataLoader(token_data(8), batch_size=2))
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _bad_inputs() -> dict[str, str]:
+    return {
+        "no plan": _error_of(NoPlanGPT(), ParallelConfig(tensor=2)),
+        "missing module": _error_of(MissingModuleGPT(), ParallelConfig(tensor=2)),
+        "tensor does not divide": _error_of(TensorParallelGPT(), ParallelConfig(tensor=3)),
+        "heads do not divide": _error_of(TwoHeadGPT(), ParallelConfig(tensor=4)),
+        "shard size does not divide": _error_of(TensorParallelGPT(), ParallelConfig(shard_size=3)),
+    }
+
+
+def _all_cases(tmp: str) -> dict[str, Any]:
+    offload = CPUOffloadPolicy()
+    tp2 = ParallelConfig(tensor=2)
+    results: dict[str, Any] = {"errors": _bad_inputs()}
+    for name in ("gpt", "hf_gpt2"):
+        for stage in (1, 2, 3):
+            results[f"{name}-tp2-zero{stage}"] = _run(name, ZeroConfig(stage=stage, parallel=tp2), data_size=2)
+        results[f"{name}-tp2-zero2_offload"] = _run(
+            name, ZeroConfig(stage=2, offload_optimizer=offload, parallel=tp2), data_size=2)
+        results[f"{name}-tp2-zero3_offload"] = _run(
+            name, ZeroConfig(stage=3, offload_optimizer=offload, offload_params=offload, parallel=tp2), data_size=2)
+    # Ranks that were not seeded alike: what the tensor ranks replicate must still agree.
+    torch.manual_seed(1000 + torch.distributed.get_rank())
+    results["gpt_meta-tp2-zero3"] = _run("gpt_meta", ZeroConfig(stage=3, parallel=tp2), data_size=2)
+    for stage in (1, 2, 3):
+        results[f"gpt-hybrid-zero{stage}"] = _run(
+            "gpt", ZeroConfig(stage=stage, parallel=ParallelConfig(shard_size=2)), data_size=4)
+    results["gpt-dp4-zero1"] = _run("gpt", ZeroConfig(stage=1), data_size=4)
+    # Resume at other data-parallel (and tensor-parallel) sizes: one fixed global batch, so where
+    # the resumed run's data loader starts does not matter.
+    ckpt = f"{tmp}/tp2.ckpt"
+    results["resume-save"] = _run("gpt", ZeroConfig(stage=3, parallel=tp2), data_size=2, steps=2, samples=8,
+                                  ckpt_save=ckpt)
+    from lightning_zero.checkpoint.sharded import read_meta, read_metadata
+
+    results["saved-meta"] = read_meta(Path(ckpt), read_metadata(Path(ckpt))).parallel
+    results["resume-dp4-zero2"] = _run("gpt", ZeroConfig(stage=2), data_size=4, steps=STEPS, samples=8,
+                                       ckpt_path=ckpt)
+    results["resume-dp1-tp4-zero1"] = _run("gpt", ZeroConfig(stage=1, parallel=ParallelConfig(tensor=4)),
+                                           data_size=1, steps=STEPS, samples=8, ckpt_path=ckpt)
+    results["resume-hybrid-zero3"] = _run("gpt", ZeroConfig(stage=3, parallel=ParallelConfig(shard_size=2)),
+                                          data_size=4, steps=STEPS, samples=8, ckpt_path=ckpt)
+    return results
+
+
+# ---------------------------------------------------------------------------------------- reference
+def reference(name: str, steps: int = STEPS, samples: int = 256) -> tuple[list[float], dict[str, Tensor]]:
+    """One process, the global batch of 8, plain AdamW. Lightning shuffles a training loader
+    with a DistributedSampler seeded by its epoch; rank r takes every R-th index of the
+    permutation, so a global batch is 8 consecutive indices of it."""
+    module = MODELS[name]()
+    optimizer = module.configure_optimizers()
+    data = token_data(samples)
+    per_epoch = samples // (2 * PER_RANK_BATCH)
+    losses = []
+    for step in range(steps):
+        epoch, index = divmod(step, per_epoch)
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(epoch))
+        loss = module._loss(data[order[index * 2 * PER_RANK_BATCH : (index + 1) * 2 * PER_RANK_BATCH]])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in module.state_dict().items()}
+
+
+def global_params(ranks: list[dict[str, Any]], tensor: int) -> dict[str, Tensor]:
+    """Whole weights from the first data-parallel rank's tensor ranks (ranks 0..tensor-1)."""
+    names = ranks[0]["params"]
+    out = {}
+    for name, (value, dim) in names.items():
+        parts = [ranks[t]["params"][name][0] for t in range(tensor)]
+        out[name] = torch.cat(parts, dim=dim) if dim is not None else value
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = str(tmp_path_factory.mktemp("tensor_parallel"))
+    return run_on_ranks(_all_cases, WORLD, tmp)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[list[float], dict[str, Tensor]]]:
+    return {name: reference(name) for name in ("gpt", "hf_gpt2")} | {"resume": reference("gpt", steps=STEPS, samples=8)}
+
+
+def _compare_weights(name: str, whole: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    if name == "hf_gpt2":
+        whole = {f"model.{k}": v for k, v in hf_gpt2_state_dict_to_hf(
+            {k.removeprefix("model."): v for k, v in whole.items()}).items()}
+    for key, value in whole.items():
+        assert value.shape == expected[key].shape, key
+        torch.testing.assert_close(value, expected[key], atol=TOLERANCE, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
+@pytest.mark.parametrize("variant", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
+def test_tensor_parallel_matches_one_process(results: list[dict[str, Any]], references: dict[str, Any],
+                                             name: str, variant: str) -> None:
+    """dp2 x tp2: every rank's losses and the reassembled whole weights equal one process's."""
+    ranks = [rank[f"{name}-tp2-{variant}"] for rank in results]
+    assert ranks[0]["dims"].tensor == 2 and ranks[0]["dims"].data == 2
+    ref_losses, ref_weights = references[name]
+    # tensor ranks share their data-parallel rank's loss; the two halves of the batch average to the reference's
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[2]["losses"] == ranks[3]["losses"]
+    means = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[2]["losses"])]
+    assert means == pytest.approx(ref_losses, abs=TOLERANCE)
+    _compare_weights(name, global_params(ranks, tensor=2), ref_weights)
+    # the other data-parallel rank holds the same parts
+    _compare_weights(name, global_params(ranks[2:], tensor=2), ref_weights)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_sharding_matches_one_process(results: list[dict[str, Any]], references: dict[str, Any],
+                                             stage: int) -> None:
+    """Shard within 2 ranks, replicate across 2 groups: the same training as one process."""
+    ranks = [rank[f"gpt-hybrid-zero{stage}"] for rank in results]
+    dims = ranks[0]["dims"]
+    assert (dims.data, dims.shard, dims.replicas, dims.tensor) == (4, 2, 2, 1)
+    ref_losses, ref_weights = references["gpt"]
+    for rank in ranks:
+        # each data-parallel rank's loss is over its own quarter of the batch; their mean is the reference's
+        assert len(rank["losses"]) == STEPS
+    means = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(STEPS)]
+    assert means == pytest.approx(ref_losses, abs=TOLERANCE)
+    for rank in ranks:
+        _compare_weights("gpt", global_params([rank], tensor=1), ref_weights)
+
+
+def test_memory_per_rank_follows_the_split(results: list[dict[str, Any]]) -> None:
+    """Parameters at tp2 are the replicated part plus half of the split ones; stage 1's optimizer
+    state (fp32 masters + Adam's two moments) is the local parameters over the data-parallel ranks."""
+    module = TensorParallelGPT()
+    split_suffixes = ("attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc.weight", "mlp.fc.bias",
+                      "mlp.proj.weight")  # column-parallel weights and biases, row-parallel weights
+    split = sum(p.numel() for n, p in module.named_parameters() if n.endswith(split_suffixes))
+    total = sum(p.numel() for p in module.parameters())
+    local = total - split // 2
+    tp2 = results[0]["gpt-tp2-zero1"]["bytes"]
+    dp4 = results[0]["gpt-dp4-zero1"]["bytes"]
+    # fp32 parameters; the flat buffers pad each bucket to a multiple of the data-parallel size
+    assert 4 * local <= tp2.params <= 4 * (local + 64)
+    assert 4 * total <= dp4.params <= 4 * (total + 64)
+    assert tp2.params / dp4.params == pytest.approx(local / total, rel=0.01)
+    assert split > 0.8 * total and 0.5 < local / total < 0.6
+    # masters + exp_avg + exp_avg_sq: 3 fp32 copies of 1/dp of the local parameters, i.e. of the
+    # split ones 1/(dp x tp)
+    assert 3 * 4 * local / 2 <= tp2.optimizer_states <= 3 * 4 * (local / 2 + 64)
+    assert 3 * 4 * total / 4 <= dp4.optimizer_states <= 3 * 4 * (total / 4 + 64)
+
+
+def test_checkpoint_resumes_at_other_data_and_tensor_sizes(results: list[dict[str, Any]],
+                                                          references: dict[str, Any]) -> None:
+    """Saved at dp2 x tp2 (stage 3) after 2 steps; resumed at dp4 (stage 2), dp1 x tp4 (stage 1)
+    and hybrid 2 x 2 (stage 3): the next steps are the reference's."""
+    ref_losses, ref_weights = references["resume"]
+    saved = [rank["resume-save"] for rank in results]
+    saved_means = [(a + b) / 2 for a, b in zip(saved[0]["losses"], saved[2]["losses"])]
+    assert saved_means == pytest.approx(ref_losses[:2], abs=TOLERANCE)
+    recorded = results[0]["saved-meta"]
+    assert (recorded["data"], recorded["tensor"], recorded["shard"]) == (2, 2, 2)
+    assert recorded["placements"]["blocks.0.attn.qkv.weight"] == "Shard(dim=0)"
+    assert recorded["placements"]["blocks.0.attn.proj.weight"] == "Shard(dim=1)"
+    assert recorded["placements"]["blocks.0.attn.proj.bias"] == "Replicate()"
+    assert "wte.weight" not in recorded["placements"]
+    for case, tensor in (("resume-dp4-zero2", 1), ("resume-dp1-tp4-zero1", 4), ("resume-hybrid-zero3", 1)):
+        ranks = [rank[case] for rank in results]
+        if tensor == 1:
+            means = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(STEPS - 2)]
+        else:
+            means = ranks[0]["losses"]
+        assert means == pytest.approx(ref_losses[2:], abs=TOLERANCE), case
+        _compare_weights("gpt", global_params(ranks, tensor=tensor), ref_weights)
+
+
+def test_model_built_on_meta_is_initialized_as_whole_tensors(results: list[dict[str, Any]]) -> None:
+    """Stage 3, configure_model on the meta device, ranks seeded differently: each tensor rank's
+    part is a different part of one initialization (kaiming bounds from the global fan-in), the
+    replicated parameters are the same on every rank, and training runs."""
+    ranks = [rank["gpt_meta-tp2-zero3"] for rank in results]
+    for rank in ranks:
+        assert len(rank["losses"]) == STEPS and all(math.isfinite(loss) for loss in rank["losses"])
+    for name, (value, dim) in ranks[0]["params"].items():
+        others = [rank["params"][name][0] for rank in ranks[1:]]
+        if dim is None:
+            assert all(torch.equal(value, other) for other in others), name
+        else:
+            assert not torch.equal(value, others[0]), name  # tensor rank 1 holds another part
+            assert torch.equal(value, others[1]), name  # data-parallel rank 1 the same part
+    # row-parallel weight [32, 128], split along its input: nn.Linear's kaiming_uniform(a=sqrt(5))
+    # bounds it by 1/sqrt(fan_in) with the global fan-in 128, not the local 64
+    for rank in ranks[:2]:
+        proj = rank["initial"]["blocks.0.mlp.proj.weight"]
+        assert proj.shape == (32, 64)
+        assert 0.9 / math.sqrt(128) < proj.abs().max() <= 1 / math.sqrt(128)
+
+
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [
+        ("no plan", ["ValueError", "tensor=2", "no tensor-parallel parameters", "parallelize_gpt", "tensor=1"]),
+        ("missing module", ["TensorParallelPlanError", "blocks.0.attn.qkvv", "blocks.0.attn.qkv"]),
+        ("tensor does not divide", ["ValueError", "tensor=3", "world size 4", "[1, 2, 4]"]),
+        ("heads do not divide", ["TensorParallelPlanError", "n_head", "2", "4"]),
+        ("shard size does not divide", ["ValueError", "shard_size=3", "[1, 2, 4]"]),
+    ],
+)
+def test_bad_input_is_a_clear_error_on_every_rank(results: list[dict[str, Any]], case: str, names: list[str]) -> None:
+    """Each raises the same error on all 4 ranks, before any collective could leave one waiting."""
+    messages = [rank["errors"][case] for rank in results]
+    assert len(set(messages)) == 1, messages
+    for name in names:
+        assert name in messages[0], messages[0]
