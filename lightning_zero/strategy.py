@@ -418,6 +418,8 @@ class ZeroStrategy(ParallelStrategy):
             _materialize_meta_buffers(module, self.root_device)
             materialize_tensor_parallel(module, self.root_device, _reset_parameters)
         self._tensor_parallel = TensorParallelParams(module, self._parallel.tensor_mesh)
+        # The local parts must agree too (a rank that applied another plan would shard other shapes).
+        check_same_model(module, self.collectives)
 
     def _rebuild_weight_averages(self) -> None:
         """Lightning's StochasticWeightAveraging and EMAWeightAveraging copy the module in their
@@ -770,14 +772,14 @@ class ZeroStrategy(ParallelStrategy):
         else:
             checkpoint = load_full_checkpoint(path)
             if self._tensor_parallel is not None:
+                # A whole checkpoint (DDP's, an export): every rank takes its tensor-parallel part.
                 checkpoint["state_dict"] = self._tensor_parallel.local_state_dict(module, checkpoint["state_dict"])
-                if fitting and "optimizer_states" in checkpoint:
-                    raise CheckpointError(
-                        f"{path} is a full checkpoint with optimizer state; under tensor parallelism only its weights"
-                        " can be loaded (the optimizer state would need cutting per tensor rank). Resume from a"
-                        " sharded checkpoint, or load the weights only (e.g. with a new run's ckpt_path=None and"
-                        " load_state_dict). Nothing was loaded."
-                    )
+                states = checkpoint.get("optimizer_states")
+                if fitting and isinstance(states, list) and len(states) == len(self.zero_optimizers):
+                    checkpoint["optimizer_states"] = [
+                        self._tensor_parallel.local_optimizer_state(state, optimizer._param_indices())
+                        for state, optimizer in zip(states, self.zero_optimizers)
+                    ]
             pieces = self._model_pieces()
             check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading, pieces=pieces)
             has_optimizer_state = "optimizer_states" in checkpoint

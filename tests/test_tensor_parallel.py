@@ -67,6 +67,42 @@ class TensorParallelGPT(GPT):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
 
 
+class SequenceParallelGPT(TensorParallelGPT):
+    """The demo GPT under a plan of the user's own, with sequence parallelism: the norms and the
+    residual stream are split along the sequence between the blocks' matmuls (torchtitan's
+    layout), so the norms' weights get a partial gradient on each tensor rank."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        mesh = self.device_mesh["tensor"]
+        gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
+        block_plan = {
+            "ln_1": SequenceParallel(use_local_output=True),
+            "attn": PrepareModuleInput(**gather),
+            "attn.qkv": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln_2": SequenceParallel(use_local_output=True),
+            "mlp": PrepareModuleInput(**gather),
+            "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        for block in self.blocks:
+            parallelize_module(block, mesh, block_plan)
+        parallelize_module(self, mesh, {
+            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                           use_local_output=True),
+            "ln_f": PrepareModuleInput(**gather),
+        })
+
+
 class HFGPT2(pl.LightningModule):
     """Hugging Face GPT-2 built from a config, split by ``parallelize_hf_gpt2``."""
 
@@ -119,7 +155,7 @@ class MetaGPT(TensorParallelGPT):
             self.initial = {name: p.detach().clone() for name, p in self.named_parameters()}
 
 
-MODELS = {"gpt": TensorParallelGPT, "hf_gpt2": HFGPT2, "gpt_meta": MetaGPT}
+MODELS = {"gpt": TensorParallelGPT, "hf_gpt2": HFGPT2, "gpt_meta": MetaGPT, "gpt_sp": SequenceParallelGPT}
 
 
 # ---------------------------------------------------------------------------------------- ranks
@@ -206,6 +242,8 @@ def _all_cases(tmp: str) -> dict[str, Any]:
             name, ZeroConfig(stage=2, offload_optimizer=offload, parallel=tp2), data_size=2)
         results[f"{name}-tp2-zero3_offload"] = _run(
             name, ZeroConfig(stage=3, offload_optimizer=offload, offload_params=offload, parallel=tp2), data_size=2)
+    for stage in (2, 3):
+        results[f"gpt_sp-tp2-zero{stage}"] = _run("gpt_sp", ZeroConfig(stage=stage, parallel=tp2), data_size=2)
     # Ranks that were not seeded alike: what the tensor ranks replicate must still agree.
     torch.manual_seed(1000 + torch.distributed.get_rank())
     results["gpt_meta-tp2-zero3"] = _run("gpt_meta", ZeroConfig(stage=3, parallel=tp2), data_size=2)
@@ -225,6 +263,16 @@ def _all_cases(tmp: str) -> dict[str, Any]:
                                        ckpt_path=ckpt)
     results["resume-dp1-tp4-zero1"] = _run("gpt", ZeroConfig(stage=1, parallel=ParallelConfig(tensor=4)),
                                            data_size=1, steps=STEPS, samples=8, ckpt_path=ckpt)
+    # The same checkpoint exported to one file (whole tensors), resumed under tensor parallelism:
+    # every rank takes its part of the weights and of the optimizer state.
+    full = f"{tmp}/tp2_full.ckpt"
+    if torch.distributed.get_rank() == 0:
+        from lightning_zero import consolidate
+
+        consolidate(ckpt, full, progress=False)
+    torch.distributed.barrier()
+    results["resume-full-tp2-zero2"] = _run("gpt", ZeroConfig(stage=2, parallel=tp2), data_size=2, steps=STEPS,
+                                            samples=8, ckpt_path=full)
     results["resume-hybrid-zero3"] = _run("gpt", ZeroConfig(stage=3, parallel=ParallelConfig(shard_size=2)),
                                           data_size=4, steps=STEPS, samples=8, ckpt_path=ckpt)
     return results
@@ -298,6 +346,18 @@ def test_tensor_parallel_matches_one_process(results: list[dict[str, Any]], refe
     _compare_weights(name, global_params(ranks[2:], tensor=2), ref_weights)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_users_sequence_parallel_plan_matches_one_process(results: list[dict[str, Any]],
+                                                             references: dict[str, Any], stage: int) -> None:
+    """torch's SequenceParallel / PrepareModuleInput / Rowwise(output_layouts=Shard(1)) applied by
+    the user: the norms' partial gradients are summed over the tensor ranks before ZeRO reduces them."""
+    ranks = [rank[f"gpt_sp-tp2-zero{stage}"] for rank in results]
+    ref_losses, ref_weights = references["gpt"]
+    means = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[2]["losses"])]
+    assert means == pytest.approx(ref_losses, abs=TOLERANCE)
+    _compare_weights("gpt", global_params(ranks, tensor=2), ref_weights)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hybrid_sharding_matches_one_process(results: list[dict[str, Any]], references: dict[str, Any],
                                              stage: int) -> None:
@@ -339,8 +399,9 @@ def test_memory_per_rank_follows_the_split(results: list[dict[str, Any]]) -> Non
 
 def test_checkpoint_resumes_at_other_data_and_tensor_sizes(results: list[dict[str, Any]],
                                                           references: dict[str, Any]) -> None:
-    """Saved at dp2 x tp2 (stage 3) after 2 steps; resumed at dp4 (stage 2), dp1 x tp4 (stage 1)
-    and hybrid 2 x 2 (stage 3): the next steps are the reference's."""
+    """Saved at dp2 x tp2 (stage 3) after 2 steps; resumed at dp4 (stage 2), dp1 x tp4 (stage 1),
+    hybrid 2 x 2 (stage 3), and exported with consolidate to one file that resumes at dp2 x tp2
+    (stage 2): the next steps are the reference's."""
     ref_losses, ref_weights = references["resume"]
     saved = [rank["resume-save"] for rank in results]
     saved_means = [(a + b) / 2 for a, b in zip(saved[0]["losses"], saved[2]["losses"])]
@@ -351,10 +412,13 @@ def test_checkpoint_resumes_at_other_data_and_tensor_sizes(results: list[dict[st
     assert recorded["placements"]["blocks.0.attn.proj.weight"] == "Shard(dim=1)"
     assert recorded["placements"]["blocks.0.attn.proj.bias"] == "Replicate()"
     assert "wte.weight" not in recorded["placements"]
-    for case, tensor in (("resume-dp4-zero2", 1), ("resume-dp1-tp4-zero1", 4), ("resume-hybrid-zero3", 1)):
+    for case, tensor in (("resume-dp4-zero2", 1), ("resume-dp1-tp4-zero1", 4), ("resume-hybrid-zero3", 1),
+                         ("resume-full-tp2-zero2", 2)):
         ranks = [rank[case] for rank in results]
         if tensor == 1:
             means = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(STEPS - 2)]
+        elif tensor == 2:
+            means = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[2]["losses"])]
         else:
             means = ranks[0]["losses"]
         assert means == pytest.approx(ref_losses[2:], abs=TOLERANCE), case

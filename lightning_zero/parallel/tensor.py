@@ -194,6 +194,24 @@ class TensorParallelParams:
             local[key] = given.narrow(spec.dim, self.tensor_rank * chunk, chunk)
         return local
 
+    def local_optimizer_state(self, state: dict[str, Any], index_of: dict[nn.Parameter, int]) -> dict[str, Any]:
+        """A torch-format optimizer state (global tensors, keyed by parameter index) with each
+        tensor-parallel parameter's per-element state cut to this rank's part."""
+        by_index = {index: self.specs[param] for param, index in index_of.items() if param in self.specs}
+        states = {}
+        for index, entry in state.get("state", {}).items():
+            spec = by_index.get(index)
+            if spec is None or spec.dim is None:
+                states[index] = entry
+                continue
+            chunk = spec.global_shape[spec.dim] // self.size
+            states[index] = {
+                key: value.narrow(spec.dim, self.tensor_rank * chunk, chunk)
+                if isinstance(value, Tensor) and tuple(value.shape) == spec.global_shape else value
+                for key, value in entry.items()
+            }
+        return {**state, "state": states}
+
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
