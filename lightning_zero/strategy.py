@@ -266,8 +266,15 @@ class ZeroStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()
-        if self._parallel is not None and self.lightning_module is not None:
-            self.lightning_module._device_mesh = self._parallel.mesh  # self.device_mesh in configure_model
+        module = self.lightning_module
+        if module is not None:
+            # A module a previous run left as local parts shows configure_model the plan's DTensors
+            # again, so that its usual guard (already DTensors: skip) holds.
+            previous = TensorParallelParams.of(module)
+            if previous is not None:
+                previous.restore_dtensors()
+        if self._parallel is not None and module is not None:
+            module._device_mesh = self._parallel.mesh  # self.device_mesh in configure_model
 
     def _setup_distributed(self) -> None:
         reset_seed()

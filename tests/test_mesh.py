@@ -166,8 +166,20 @@ def _step(config: ZeroConfig, parallel: ParallelConfig, overflow_on: int | None 
     }
 
 
+def _timeouts() -> list[float | None]:
+    from datetime import timedelta
+
+    from lightning_zero.zero.comm import _timeout_of
+
+    groups = build_parallel_groups(resolve_dims(ParallelConfig(tensor=2, shard_size=1), WORLD, WORLD), "cpu", "gloo",
+                                   timedelta(seconds=77))
+    every = [groups.data_group, groups.shard_group, groups.replicate_group, groups.tensor_group,
+             groups.shard_control_group, groups.shard_reduce_group, groups.mesh["tensor"].get_group()]
+    return [timeout.total_seconds() if (timeout := _timeout_of(g)) is not None else None for g in every]
+
+
 def _cases() -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {"timeouts": _timeouts()}
     tp2, hybrid = ParallelConfig(tensor=2), ParallelConfig(shard_size=2)
     for stage in (1, 2, 3):
         out[f"tp2-zero{stage}"] = _step(ZeroConfig(stage=stage), tp2)
@@ -241,3 +253,9 @@ def test_an_overflow_on_one_rank_skips_the_step_everywhere(results: list[dict[st
     of the mesh skip, not only its data-parallel group."""
     assert [rank[f"{layout}-overflow"]["skipped"] for rank in results] == [True] * WORLD
     assert not any(rank["tp2-zero2"]["skipped"] for rank in results)
+
+
+def test_every_group_of_the_mesh_waits_the_strategys_timeout(results: list[dict[str, Any]]) -> None:
+    """A rank that never joins fails its peers after the user's timeout, on every dimension."""
+    for rank in results:
+        assert rank["timeouts"] == [77.0] * 7

@@ -145,6 +145,9 @@ class FakeCollectives:
     def all_reduce_tensor_parallel(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
         pass  # no tensor parallelism here
 
+    def broadcast_to_replicas(self, tensor: Tensor) -> None:
+        pass  # no replicas here
+
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> None:
         self._record("broadcast", tensor)
 

@@ -103,6 +103,19 @@ class SequenceParallelGPT(TensorParallelGPT):
         })
 
 
+class FrozenGPT(TensorParallelGPT):
+    """Some split weights frozen (as the base weights under LoRA): at stages 1/2 they have no
+    piece and stay whole on every rank, each tensor rank holding its own part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for param in (*self.blocks[0].mlp.fc.parameters(), self.blocks[1].attn.proj.weight):
+            param.requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+
+
 class HFGPT2(pl.LightningModule):
     """Hugging Face GPT-2 built from a config, split by ``parallelize_hf_gpt2``."""
 
@@ -155,7 +168,8 @@ class MetaGPT(TensorParallelGPT):
             self.initial = {name: p.detach().clone() for name, p in self.named_parameters()}
 
 
-MODELS = {"gpt": TensorParallelGPT, "hf_gpt2": HFGPT2, "gpt_meta": MetaGPT, "gpt_sp": SequenceParallelGPT}
+MODELS = {"gpt": TensorParallelGPT, "hf_gpt2": HFGPT2, "gpt_meta": MetaGPT, "gpt_sp": SequenceParallelGPT,
+          "gpt_frozen": FrozenGPT}
 
 
 # ---------------------------------------------------------------------------------------- ranks
@@ -175,13 +189,14 @@ def _local_params(module: nn.Module, strategy: ZeroStrategy) -> dict[str, tuple[
 
 
 def _run(name: str, config: ZeroConfig, data_size: int, steps: int = STEPS, samples: int = 256,
-         ckpt_save: str | None = None, ckpt_path: str | None = None) -> dict[str, Any]:
+         ckpt_save: str | None = None, ckpt_path: str | None = None, accumulate: int = 1,
+         **trainer_kwargs: Any) -> dict[str, Any]:
     module = MODELS[name]()
     strategy = ZeroStrategy(config=config)
-    batch = PER_RANK_BATCH * 2 // data_size  # every layout trains on a global batch of 8
+    batch = PER_RANK_BATCH * 2 // data_size // accumulate  # every layout trains on a global batch of 8
     loader = DataLoader(token_data(samples), batch_size=batch, shuffle=False)
     with launched_environment():
-        trainer = _trainer(strategy, steps)
+        trainer = _trainer(strategy, steps, accumulate_grad_batches=accumulate, **trainer_kwargs)
         trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
         bytes_ = strategy.model_state_bytes()
         if ckpt_save is not None:
@@ -242,6 +257,14 @@ def _all_cases(tmp: str) -> dict[str, Any]:
             name, ZeroConfig(stage=2, offload_optimizer=offload, parallel=tp2), data_size=2)
         results[f"{name}-tp2-zero3_offload"] = _run(
             name, ZeroConfig(stage=3, offload_optimizer=offload, offload_params=offload, parallel=tp2), data_size=2)
+    # Gradient accumulation (micro-batches reduced once per step) and low precision on the mesh.
+    results["gpt-tp2-zero3-accumulate"] = _run("gpt", ZeroConfig(stage=3, parallel=tp2), data_size=2, accumulate=2)
+    results["gpt-hybrid-zero2-accumulate"] = _run("gpt", ZeroConfig(stage=2, parallel=ParallelConfig(shard_size=2)),
+                                                  data_size=4, accumulate=2)
+    results["gpt-tp2-zero2-bf16"] = _run("gpt", ZeroConfig(stage=2, parallel=tp2), data_size=2,
+                                         precision="bf16-mixed")
+    results["gpt-tp2-zero3-fp16"] = _run("gpt", ZeroConfig(stage=3, parallel=tp2), data_size=2,
+                                         precision="16-mixed")
     for stage in (2, 3):
         results[f"gpt_sp-tp2-zero{stage}"] = _run("gpt_sp", ZeroConfig(stage=stage, parallel=tp2), data_size=2)
     # Ranks that were not seeded alike: what the tensor ranks replicate must still agree.
@@ -273,6 +296,11 @@ def _all_cases(tmp: str) -> dict[str, Any]:
     torch.distributed.barrier()
     results["resume-full-tp2-zero2"] = _run("gpt", ZeroConfig(stage=2, parallel=tp2), data_size=2, steps=STEPS,
                                             samples=8, ckpt_path=full)
+    frozen = f"{tmp}/frozen.ckpt"
+    results["frozen-save"] = _run("gpt_frozen", ZeroConfig(stage=2, parallel=tp2), data_size=2, steps=2,
+                                  samples=8, ckpt_save=frozen)
+    results["frozen-resume-tp4-zero1"] = _run("gpt_frozen", ZeroConfig(stage=1, parallel=ParallelConfig(tensor=4)),
+                                              data_size=1, steps=STEPS, samples=8, ckpt_path=frozen)
     results["resume-hybrid-zero3"] = _run("gpt", ZeroConfig(stage=3, parallel=ParallelConfig(shard_size=2)),
                                           data_size=4, steps=STEPS, samples=8, ckpt_path=ckpt)
     return results
@@ -317,7 +345,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, tuple[list[float], dict[str, Tensor]]]:
-    return {name: reference(name) for name in ("gpt", "hf_gpt2")} | {"resume": reference("gpt", steps=STEPS, samples=8)}
+    return {name: reference(name) for name in ("gpt", "hf_gpt2")} | {
+        "resume": reference("gpt", steps=STEPS, samples=8),
+        "frozen": reference("gpt_frozen", steps=STEPS, samples=8),
+    }
 
 
 def _compare_weights(name: str, whole: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
@@ -344,6 +375,32 @@ def test_tensor_parallel_matches_one_process(results: list[dict[str, Any]], refe
     _compare_weights(name, global_params(ranks, tensor=2), ref_weights)
     # the other data-parallel rank holds the same parts
     _compare_weights(name, global_params(ranks[2:], tensor=2), ref_weights)
+
+
+@pytest.mark.parametrize("case", ["gpt-tp2-zero3-accumulate", "gpt-hybrid-zero2-accumulate"])
+def test_gradient_accumulation_on_the_mesh_matches_one_process(results: list[dict[str, Any]],
+                                                               references: dict[str, Any], case: str) -> None:
+    """Two micro-batches per step (no communication on the first): the same steps as one process.
+    Lightning records each micro-batch's loss; a step's loss is their mean over every data rank."""
+    ranks = [rank[case] for rank in results]
+    ref_losses, ref_weights = references["gpt"]
+    data_ranks = ranks[::2] if ranks[0]["dims"].tensor == 2 else ranks
+    steps = [sum(r["losses"][2 * i] + r["losses"][2 * i + 1] for r in data_ranks) / (2 * len(data_ranks))
+             for i in range(STEPS)]
+    assert steps == pytest.approx(ref_losses, abs=TOLERANCE)
+    _compare_weights("gpt", global_params(ranks, tensor=ranks[0]["dims"].tensor), ref_weights)
+
+
+@pytest.mark.parametrize(("case", "tolerance"), [("gpt-tp2-zero2-bf16", 0.03), ("gpt-tp2-zero3-fp16", 0.01)])
+def test_low_precision_on_the_mesh_follows_fp32(results: list[dict[str, Any]], references: dict[str, Any],
+                                                case: str, tolerance: float) -> None:
+    """bf16-mixed and fp16-mixed (loss scaling, skip on overflow over the whole mesh) under dp2 x
+    tp2: the tensor ranks agree exactly, and the losses stay within bf16's / fp16's rounding of
+    the fp32 run's (8 and 11 bits of mantissa over 4 steps)."""
+    ranks = [rank[case] for rank in results]
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[2]["losses"] == ranks[3]["losses"]
+    means = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[2]["losses"])]
+    assert means == pytest.approx(references["gpt"][0], abs=tolerance)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -423,6 +480,21 @@ def test_checkpoint_resumes_at_other_data_and_tensor_sizes(results: list[dict[st
             means = ranks[0]["losses"]
         assert means == pytest.approx(ref_losses[2:], abs=TOLERANCE), case
         _compare_weights("gpt", global_params(ranks, tensor=tensor), ref_weights)
+
+
+def test_frozen_split_weights_are_saved_as_their_global_tensors(results: list[dict[str, Any]],
+                                                                references: dict[str, Any]) -> None:
+    """Saved at dp2 x tp2 (stage 2) with split weights frozen, resumed at tp4: each tensor rank's
+    frozen part comes back from the global tensor, and training continues as in one process."""
+    ref_losses, ref_weights = references["frozen"]
+    saved = [rank["frozen-save"] for rank in results]
+    assert [(a + b) / 2 for a, b in zip(saved[0]["losses"], saved[2]["losses"])] == pytest.approx(
+        ref_losses[:2], abs=TOLERANCE)
+    ranks = [rank["frozen-resume-tp4-zero1"] for rank in results]
+    assert ranks[0]["losses"] == pytest.approx(ref_losses[2:], abs=TOLERANCE)
+    whole = global_params(ranks, tensor=4)
+    _compare_weights("gpt", whole, ref_weights)
+    torch.testing.assert_close(whole["blocks.0.mlp.fc.weight"], TensorParallelGPT().blocks[0].mlp.fc.weight.detach())
 
 
 def test_model_built_on_meta_is_initialized_as_whole_tensors(results: list[dict[str, Any]]) -> None:

@@ -190,15 +190,13 @@ class GPT(LightningModule):
     def configure_model(self) -> None:
         """Under tensor parallelism (``ZeroConfig(parallel={tensor: N})``) the strategy's mesh has a
         ``tensor`` dimension: every block is split over it (embeddings and head stay whole).
-        Lightning calls this hook at every fit/validate/test, so it splits the blocks once."""
+        Lightning calls this hook at every fit/validate/test; splitting blocks already split over
+        the same mesh changes nothing."""
         mesh = self.device_mesh
-        if getattr(self, "_blocks_split", False) or mesh is None or "tensor" not in (mesh.mesh_dim_names or ()):
-            return
-        if mesh["tensor"].size() > 1:
+        if mesh is not None and "tensor" in (mesh.mesh_dim_names or ()) and mesh["tensor"].size() > 1:
             from lightning_zero.parallel import parallelize_gpt
 
             parallelize_gpt(self, mesh["tensor"])
-            self._blocks_split = True
 
     def forward(self, idx: Tensor) -> Tensor:
         """idx: (B, T) token ids, T <= block_size -> logits (B, T, vocab_size)."""

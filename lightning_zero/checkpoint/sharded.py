@@ -75,7 +75,9 @@ from lightning_zero.zero.layout import Range
 log = logging.getLogger(__name__)
 
 FORMAT_NAME = "lightning_zero.sharded"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: may record the mesh it was written on (CheckpointMeta.parallel)
+# A checkpoint without a mesh record is still written as version 1, which every release reads.
+_FORMAT_VERSION_WITHOUT_MESH = 1
 META_KEY = "lightning_zero"
 MODEL_KEY = "model"
 METADATA_FILE = ".metadata"
@@ -120,7 +122,10 @@ class CheckpointMeta:
     def to_entry(self) -> io.BytesIO:
         entry = dict(self.__dict__)
         if not entry["parallel"]:
-            del entry["parallel"]  # as before meshes existed, so that older readers take it
+            # As before meshes existed, so that older readers take it; with a record, an older
+            # reader says "upgrade" instead of failing on the unknown field.
+            del entry["parallel"]
+            entry["version"] = _FORMAT_VERSION_WITHOUT_MESH
         return object_entry(entry)
 
     @classmethod

@@ -35,11 +35,11 @@ from lightning_zero.checkpoint.sharded import (
     saved_state_keys,
 )
 from lightning_zero.zero.engine import ZeroEngine
-from lightning_zero.zero.layout import ParamPiece
+from lightning_zero.zero.layout import ParamPiece, Range
 from lightning_zero.zero.optimizer import ShardedOptimizer, _check_full_optimizer_state
 
 if TYPE_CHECKING:
-    from lightning_zero.parallel.tensor import TensorParallelParams
+    from lightning_zero.parallel.tensor import TensorParallelParam, TensorParallelParams
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:
@@ -88,14 +88,28 @@ class MeshPlacement:
         blocks = tuple((spec.box_offsets(t), self.holders[t]) for t in range(len(self.holders)))
         return FlatShards(piece.shape, piece.ranges, spec.global_shape, blocks, self.tensor_rank)
 
+    def split(self, param: nn.Parameter) -> TensorParallelParam | None:
+        """The placement of a parameter split over the tensor ranks (None: not split)."""
+        spec = self.tensor.spec(param) if self.tensor is not None else None
+        return spec if spec is not None and spec.dim is not None else None
+
+    def whole_local(self, spec: TensorParallelParam, local: Tensor) -> Any:
+        """A split parameter without a piece (frozen at stages 1/2: whole on every rank) as its
+        tensor rank's block of the global tensor, read and written whole by this rank."""
+        ranges = tuple(Range(0, local.numel()) if r == self.rank else Range(local.numel(), local.numel())
+                       for r in range(len(self.holders[0])))
+        blocks = tuple((spec.box_offsets(t), self.holders[t]) for t in range(len(self.holders)))
+        flat = FlatShards(tuple(local.shape), ranges, spec.global_shape, blocks, self.tensor_rank)
+        return flat.sharded_tensor(local.reshape(-1), self.rank, None)
+
     def offers(self, piece: ParamPiece) -> bool:
         """Whether this rank's piece goes into a save (see the note above)."""
         spec = self.tensor.spec(piece.param) if self.tensor is not None else None
         return self.first_replica and (self.tensor_rank == 0 or (spec is not None and spec.dim is not None))
 
-    def global_shape(self, piece: ParamPiece) -> tuple[int, ...]:
-        spec = self.tensor.spec(piece.param) if self.tensor is not None else None
-        return spec.global_shape if spec is not None else piece.shape
+    def global_shape(self, param: nn.Parameter, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        spec = self.tensor.spec(param) if self.tensor is not None else None
+        return spec.global_shape if spec is not None else local_shape
 
 
 def _sharded(piece: ParamPiece, local: Tensor, rank: int, group: dist.ProcessGroup | None,
@@ -132,9 +146,13 @@ def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.P
         if key in aliases:
             continue
         piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
+        split = placement.split(value) if placement is not None and isinstance(value, nn.Parameter) else None
         if piece is not None and piece.numel > 0:
             if placement is None or placement.offers(piece):
                 entries[key] = _sharded(piece, piece.master, _piece_rank(group, placement), group, placement)
+        elif split is not None and placement is not None:
+            if placement.first_replica and placement.rank == 0:  # its tensor rank's block, once
+                entries[key] = placement.whole_local(split, value.detach())
         elif rank != 0:
             continue
         elif is_extra_state(key):
@@ -368,8 +386,11 @@ def _check_fits(
     """The one comparison of a checkpoint's keys and tensor shapes with the module's state dict
     (global shapes under tensor parallelism: see [Note: checkpoint layout with a mesh])."""
     mine = module.state_dict(keep_vars=True)
-    shapes = true_shapes(pieces) if placement is None else {p.param: placement.global_shape(p) for p in pieces}
+    shapes = true_shapes(pieces)
     mine_shapes = {key: shapes.get(value, tuple(value.shape)) for key, value in mine.items() if isinstance(value, Tensor)}
+    if placement is not None:
+        mine_shapes = {key: placement.global_shape(mine[key], shape) if isinstance(mine[key], nn.Parameter) else shape
+                       for key, shape in mine_shapes.items()}
     keys = set(saved_keys)
     missing = [k for k in mine if k not in keys]
     unexpected = [k for k in saved_keys if k not in mine]
@@ -512,8 +533,11 @@ def load_into(
         if source is None or source not in saved_model:
             continue  # missing, allowed by strict=False
         piece = by_param.get(value) if isinstance(value, nn.Parameter) else None
+        split = placement.split(value) if placement is not None and isinstance(value, nn.Parameter) else None
         if piece is not None and piece.numel > 0:
             target: Any = _sharded(piece, piece.master, rank, group, placement)
+        elif split is not None and placement is not None:
+            target = placement.whole_local(split, value.data)
         elif is_extra_state(key):
             target = None  # DCP puts the saved object here
             extra_state.append((key, source))

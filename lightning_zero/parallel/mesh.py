@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_zero.config import REST, ParallelConfig
 from lightning_zero.zero.comm import Collectives, StepGroups
@@ -159,33 +160,40 @@ class ParallelGroups:
 
 def build_parallel_groups(dims: ParallelDims, device_type: str, backend: str,
                           timeout: timedelta | None) -> ParallelGroups:
-    """Builds the mesh and the groups every rank needs (a collective over the world: every rank
-    calls it with the same ``dims``)."""
-    if dims.hybrid:
-        shape, names = (dims.replicas, dims.shard, dims.tensor), (REPLICATE, SHARD, TENSOR)
-    else:
-        shape, names = (dims.data, dims.tensor), (DATA, TENSOR)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    if dims.hybrid:
-        mesh[(REPLICATE, SHARD)]._flatten(DATA)
+    """Builds the mesh and the groups every rank needs, each waiting ``timeout`` (a collective
+    over the world: every rank calls it with the same ``dims``)."""
     rank = dist.get_rank()
 
     def mine(rank_lists: list[list[int]], group_backend: str | None) -> dist.ProcessGroup:
-        # Every rank creates every sibling group, in the same order: new_group is collective over the world.
+        # Every rank creates every sibling group, in the same order: new_group is collective over
+        # the world. Made here rather than by init_device_mesh so that they take the timeout.
         group, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout, backend=group_backend)
         assert group is not None and rank in dist.get_process_group_ranks(group)
         return group
 
-    shard_group = mesh.get_group(SHARD) if dims.hybrid else mesh.get_group(DATA)
+    layout = torch.arange(dims.world)
+    tensor_group = mine(dims.tensor_groups(), None)
+    data_group = mine(dims.data_groups(), None)
+    if dims.hybrid:
+        replicate_group, shard_group = mine(dims.replicate_groups(), None), mine(dims.shard_groups(), None)
+        mesh = DeviceMesh.from_group([replicate_group, shard_group, tensor_group], device_type,
+                                     layout.view(dims.replicas, dims.shard, dims.tensor),
+                                     mesh_dim_names=(REPLICATE, SHARD, TENSOR))
+        # mesh["data"] for user code (its group takes torch's default timeout; ours is data_group)
+        mesh[(REPLICATE, SHARD)]._flatten(DATA)
+    else:
+        replicate_group, shard_group = None, data_group
+        mesh = DeviceMesh.from_group([data_group, tensor_group], device_type, layout.view(dims.data, dims.tensor),
+                                     mesh_dim_names=(DATA, TENSOR))
     control = shard_group if "gloo" in backend else mine(dims.shard_groups(), "gloo")
     reduce_group = mine(dims.shard_groups(), backend)
     return ParallelGroups(
         dims=dims,
         mesh=mesh,
-        data_group=mesh.get_group(DATA),
+        data_group=data_group,
         shard_group=shard_group,
-        replicate_group=mesh.get_group(REPLICATE) if dims.hybrid else None,
-        tensor_group=mesh.get_group(TENSOR) if dims.tensor > 1 else None,
+        replicate_group=replicate_group,
+        tensor_group=tensor_group if dims.tensor > 1 else None,
         shard_control_group=control,
         shard_reduce_group=reduce_group,
     )

@@ -165,6 +165,27 @@ def _find_blocks(model: nn.Module, paths: tuple[str, ...], caller: str, expected
     )
 
 
+def _already_split(blocks: nn.ModuleList, tp_mesh: DeviceMesh, plan: Callable[[], dict[str, ParallelStyle]]) -> bool:
+    """Whether every block's planned modules already hold DTensor weights on ``tp_mesh``: the plan
+    ran before (Lightning calls configure_model at every fit/validate/test), so it is not run again."""
+    for block in blocks:
+        for key in plan():
+            weight = getattr(block.get_submodule(key), "weight", None) if _has_submodule(block, key) else None
+            if not isinstance(weight, DTensor):
+                return False
+            if weight.device_mesh.mesh.flatten().tolist() != tp_mesh.mesh.flatten().tolist():
+                return False
+    return True
+
+
+def _has_submodule(module: nn.Module, key: str) -> bool:
+    try:
+        module.get_submodule(key)
+    except AttributeError:
+        return False
+    return True
+
+
 def _check_not_parallel(blocks: nn.ModuleList, path: str, caller: str) -> None:
     for index, block in enumerate(blocks):
         for name, param in block.named_parameters():
@@ -215,6 +236,8 @@ def parallelize_gpt(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     path, blocks = _find_blocks(
         model, ("blocks",), caller, "the demo GPT of examples/gpt/model.py (a `blocks` ModuleList)"
     )
+    if _already_split(blocks, tp_mesh, _gpt_block_plan):
+        return model
     _check_not_parallel(blocks, path, caller)
     heads_per_block: list[int] = []
     for index, block in enumerate(blocks):
@@ -402,6 +425,8 @@ def parallelize_hf_gpt2(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     path, blocks = _find_blocks(
         model, ("transformer.h", "h"), caller, "a transformers GPT2LMHeadModel (`transformer.h`) or GPT2Model (`h`)"
     )
+    if _already_split(blocks, tp_mesh, _gpt2_block_plan):
+        return model
     _check_not_parallel(blocks, path, caller)
     for index, block in enumerate(blocks):
         _check_gpt2_block(block, f"{path}.{index}", tp, caller)
@@ -525,6 +550,8 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         model, ("model.layers", "layers"), caller,
         "a transformers LlamaForCausalLM (`model.layers`) or LlamaModel (`layers`), or a Llama-style model",
     )
+    if _already_split(layers, tp_mesh, _llama_block_plan):
+        return model
     _check_not_parallel(layers, path, caller)
     heads, kv_heads, intermediate = _llama_sizes(model, caller)
     _check_divisible(

@@ -142,20 +142,25 @@ class TensorParallelParams:
         return TensorParallelParam(name, mesh, tuple(param.placements), tuple(param.shape), tuple(param.stride()), dim)
 
     def _install(self, owner: nn.Module, names: tuple[str, ...]) -> None:
-        saved: list[dict[str, nn.Parameter]] = []
+        # One entry per forward entered: the local parameters to put back, or None for a forward
+        # run inside the module's own forward (recursion), which already sees the views.
+        saved: list[dict[str, nn.Parameter] | None] = []
 
         def show_dtensors(module: nn.Module, args: Any) -> None:
             params = {name: module._parameters[name] for name in names}
-            saved.append(params)  # a stack: a module may run inside its own forward (recursion)
+            if any(not isinstance(local, nn.Parameter) or local not in self.specs for local in params.values()):
+                saved.append(None)
+                return
+            saved.append(params)  # type: ignore[arg-type]
             for name, local in params.items():
-                assert local is not None
                 # Not a Parameter: only the module's own forward reads it, and autograd reaches the
                 # local parameter through from_local.
-                module._parameters[name] = self.specs[local].as_dtensor(local)  # type: ignore[assignment]
+                module._parameters[name] = self.specs[local].as_dtensor(local)  # type: ignore[index,assignment]
 
         def show_locals(module: nn.Module, args: Any, output: Any) -> None:
-            if saved:
-                module._parameters.update(saved.pop())
+            params = saved.pop() if saved else None
+            if params is not None:
+                module._parameters.update(params)
 
         # The pre-hook after the engine's (the gather), the hook before its (the free).
         self._handles.append(owner.register_forward_pre_hook(show_dtensors))
@@ -225,7 +230,8 @@ class TensorParallelParams:
         for owner, names in self._owners:
             for name in names:
                 local = owner._parameters[name]
-                assert isinstance(local, nn.Parameter)
+                if not isinstance(local, nn.Parameter) or local not in self.specs:
+                    continue  # replaced by user code since: theirs stays
                 if local not in restored:
                     spec = self.specs[local]
                     restored[local] = nn.Parameter(spec.as_dtensor(local.detach()), requires_grad=local.requires_grad)

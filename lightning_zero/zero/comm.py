@@ -101,7 +101,8 @@ class _ReplicaReduction:
         return self._scatter.is_completed()
 
     def wait(self) -> bool:
-        self._owner._launch_replica_reductions(until=self)
+        if not self.launched:
+            self._owner._launch_replica_reductions(until=self)
         assert self._all_reduce is not None
         self._all_reduce.wait()
         return True
@@ -180,7 +181,13 @@ class Collectives:
         if self.replicas == 1:
             return scatter
         reduction = _ReplicaReduction(self, scatter, output)
-        self._replica_reductions.append(reduction)
+        if "nccl" in self.backend:
+            # On NCCL wait() only orders the streams: launching now costs the host nothing, and every
+            # rank then issues its collectives on each communicator in program order.
+            reduction.launch()
+        else:
+            # gloo's wait() blocks the host: the all-reduce goes out once the reduce-scatter is seen done.
+            self._replica_reductions.append(reduction)
         return reduction
 
     def _launch_replica_reductions(self, until: _ReplicaReduction | None) -> None:
@@ -195,6 +202,12 @@ class Collectives:
             self._replica_reductions.pop(0)
             if head is until:
                 return
+
+    def broadcast_to_replicas(self, tensor: Tensor) -> None:
+        """Hybrid sharding: the replicas take the first replica's ``tensor`` (initial values)."""
+        if self.replicas > 1:
+            group = self.replicate_group
+            dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
     def all_reduce_step_flags(self, flags: Tensor) -> None:
         """MAX of a step's decision flags over every rank that steps together (see StepGroups)."""
@@ -290,6 +303,11 @@ class CountingCollectives:
         if self.inner.replicas > 1:  # the traffic that crosses shard groups (nodes)
             self.calls.append(CollectiveCall("replica_all_reduce", output.numel(), output.dtype))
         return self.inner.reduce_scatter(output, input)
+
+    def broadcast_to_replicas(self, tensor: Tensor) -> None:
+        if self.inner.replicas > 1:
+            self.calls.append(CollectiveCall("replica_broadcast", tensor.numel(), tensor.dtype))
+        self.inner.broadcast_to_replicas(tensor)
 
     def all_reduce_step_flags(self, flags: Tensor) -> None:
         # Over the engine's group it is that group's all-reduce; over a wider group, its own entry.

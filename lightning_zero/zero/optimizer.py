@@ -403,7 +403,8 @@ class ShardedOptimizer(Optimizer):
         # replicated over it count once (see [Note: a step over the mesh] in comm.py).
         sharded: list[Tensor] = []
         replicated: list[Tensor] = []
-        for piece in self.layout.param_pieces():
+        # Through the tiles: param_pieces() would first compare every parameter with its master.
+        for piece in (piece for tile in self.layout.tiles() for piece in tile.pieces):
             if piece.holder.grad is not None and piece.master.numel():
                 (sharded if piece.param in tensor_sharded else replicated).append(piece.in_holder.slice(piece.holder.grad))
         if math.isinf(norm_type):

@@ -144,6 +144,8 @@ class Zero3Engine(Zero3Hooks):
             for unit in needed:
                 pending[unit].discard(submodule)
                 if not pending[unit]:
+                    # Hybrid sharding: every replica holds these pieces, so all start from the first's.
+                    self.collectives.broadcast_to_replicas(unit.full)
                     unit.take_shards_from_params()
                     if unit.persistent and self.collectives.world_size > 1:
                         self.collectives.broadcast(unit.full, 0)  # whole on every rank: must agree
