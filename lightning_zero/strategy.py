@@ -69,7 +69,13 @@ from lightning_zero.checkpoint.state import (
     sharded_state,
 )
 from lightning_zero.config import ZeroConfig
-from lightning_zero.parallel.mesh import ParallelDims, ParallelGroups, build_parallel_groups, resolve_dims
+from lightning_zero.parallel.mesh import (
+    ParallelDims,
+    ParallelGroups,
+    build_parallel_groups,
+    resolve_dims,
+    sync_module_states,
+)
 from lightning_zero.parallel.tensor import TensorParallelParams, materialize_tensor_parallel
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
@@ -320,23 +326,12 @@ class ZeroStrategy(ParallelStrategy):
 
     def _mesh_description(self) -> dict[str, Any]:
         """The mesh a sharded checkpoint records it was written on (empty for plain ZeRO)."""
-        if self._parallel is None:
-            return {}
-        dims = self._parallel.dims
-        placements = {}
-        if self._tensor_parallel is not None:
-            placements = {spec.name: ", ".join(map(repr, spec.placements)) for _, spec in self._tensor_parallel.items()}
-        return {"data": dims.data, "tensor": dims.tensor, "shard": dims.shard, "placements": placements}
+        return self._parallel.describe(self._tensor_parallel) if self._parallel is not None else {}
 
     def _mesh_placement(self) -> MeshPlacement | None:
         """Where this rank's pieces lie in a checkpoint's global tensors (see [Note: checkpoint
         layout with a mesh]); None without a mesh."""
-        if self._parallel is None:
-            return None
-        dims = self._parallel.dims
-        replica, shard_rank, tensor_rank = dims.coordinates(self.global_rank)
-        holders = tuple(tuple(dims.rank_of(replica, s, t) for s in range(dims.shard)) for t in range(dims.tensor))
-        return MeshPlacement(shard_rank, holders, tensor_rank, replica == 0, self._tensor_parallel)
+        return self._parallel.placement(self.global_rank, self._tensor_parallel) if self._parallel is not None else None
 
     # ------------------------------------------------------------------ setup
     @override
@@ -374,9 +369,9 @@ class ZeroStrategy(ParallelStrategy):
             if self._parallel is not None:
                 # From data-parallel rank 0's weights: tensor ranks hold different parts, but what
                 # they replicate (embeddings, norms, buffers) must be tensor rank 0's on all of them.
-                _sync_module_states_over(module, self._parallel.data_group)
+                sync_module_states(module, self._parallel.data_group)
                 if self._tensor_parallel is not None and self._parallel.tensor_group is not None:
-                    _sync_module_states_over(module, self._parallel.tensor_group, skip=self._tensor_parallel.sharded)
+                    sync_module_states(module, self._parallel.tensor_group, skip=self._tensor_parallel.sharded)
             elif self.world_size > 1:
                 # Every rank must start from rank 0's weights, as with DDP.
                 _sync_module_states(module)
@@ -975,18 +970,6 @@ def _materialize_meta_buffers(module: Module, device: torch.device) -> None:
                         " module a parameter and a reset_parameters() that fills the buffer."
                     )
                 submodule._buffers[name] = torch.empty_like(buffer, device=device)
-
-
-def _sync_module_states_over(module: Module, group: torch.distributed.ProcessGroup,
-                             skip: frozenset[torch.nn.Parameter] = frozenset()) -> None:
-    """Every rank of ``group`` takes the parameters (but ``skip``) and buffers of its first rank."""
-    from torch.distributed.utils import _sync_params_and_buffers
-
-    if torch.distributed.get_world_size(group) == 1:
-        return
-    states = [p.detach() for p in dict.fromkeys(module.parameters()) if p not in skip]
-    states += [b.detach() for b in module.buffers()]
-    _sync_params_and_buffers(group, states, 250 * 1024 * 1024, 0)
 
 
 def _check_parallel_combination(config: ZeroConfig, state_dict_type: str, collectives: object) -> None:

@@ -19,15 +19,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.utils import _sync_params_and_buffers
+
+from lightning_zero.checkpoint.state import MeshPlacement
+from lightning_zero.parallel.tensor import TensorParallelParams
 
 from lightning_zero.config import REST, ParallelConfig
 from lightning_zero.zero.comm import Collectives, StepGroups
 
 DATA, TENSOR, SHARD, REPLICATE = "data", "tensor", "shard", "replicate"
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # as DDP's initial broadcast
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,22 @@ class ParallelGroups:
     shard_control_group: dist.ProcessGroup  # gloo, beside the shard group (agreement exchanges)
     shard_reduce_group: dist.ProcessGroup  # the shard group's gradient reductions
 
+    def placement(self, global_rank: int, tensor_parallel: TensorParallelParams | None) -> MeshPlacement:
+        """Where this rank's pieces lie among every rank's in a checkpoint's global tensors."""
+        replica, shard_rank, tensor_rank = self.dims.coordinates(global_rank)
+        holders = tuple(tuple(self.dims.rank_of(replica, s, t) for s in range(self.dims.shard))
+                        for t in range(self.dims.tensor))
+        return MeshPlacement(rank=shard_rank, holders=holders, tensor_rank=tensor_rank, first_replica=replica == 0,
+                             tensor=tensor_parallel)
+
+    def describe(self, tensor_parallel: TensorParallelParams | None) -> dict[str, Any]:
+        """What a checkpoint records of the mesh: the sizes and each split parameter's placement."""
+        placements = {}
+        if tensor_parallel is not None:
+            placements = {spec.name: ", ".join(map(repr, spec.placements)) for _, spec in tensor_parallel.items()}
+        return {"data": self.dims.data, "tensor": self.dims.tensor, "shard": self.dims.shard,
+                "placements": placements}
+
     @property
     def tensor_mesh(self) -> DeviceMesh:
         return self.mesh[TENSOR]
@@ -156,6 +179,15 @@ class ParallelGroups:
         return Collectives(self.shard_group, control_group=self.shard_control_group,
                            reduce_group=self.shard_reduce_group, replicate_group=self.replicate_group,
                            step_groups=step_groups)
+
+
+def sync_module_states(module: nn.Module, group: dist.ProcessGroup, skip: frozenset[nn.Parameter] = frozenset()) -> None:
+    """Every rank of ``group`` takes the parameters (but ``skip``) and buffers of its first rank."""
+    if dist.get_world_size(group) == 1:
+        return
+    states = [p.detach() for p in dict.fromkeys(module.parameters()) if p not in skip]
+    states += [b.detach() for b in module.buffers()]
+    _sync_params_and_buffers(group, states, _BROADCAST_BUCKET_BYTES, 0)
 
 
 def build_parallel_groups(dims: ParallelDims, device_type: str, backend: str,
@@ -199,4 +231,4 @@ def build_parallel_groups(dims: ParallelDims, device_type: str, backend: str,
     )
 
 
-__all__ = ["ParallelDims", "ParallelGroups", "build_parallel_groups", "resolve_dims"]
+__all__ = ["ParallelDims", "ParallelGroups", "build_parallel_groups", "resolve_dims", "sync_module_states"]
