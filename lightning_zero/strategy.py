@@ -40,6 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -232,7 +233,7 @@ class ZeroStrategy(ParallelStrategy):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
-    def device_mesh(self) -> Any:
+    def device_mesh(self) -> DeviceMesh | None:
         """The :class:`~torch.distributed.device_mesh.DeviceMesh` of ``config.parallel`` (dims
         ``data``/``tensor``, or ``replicate``/``shard``/``tensor`` with ``data`` flattened from the
         first two under hybrid sharding), also ``self.device_mesh`` in ``configure_model``; None for
