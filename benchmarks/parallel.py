@@ -207,6 +207,8 @@ def _fit_and_measure(spec: RunSpec, rank: int) -> RankRun:
     }[spec.layout]
     units = {"unit_modules": ("Block",)} if spec.stage == 3 else {}
     strategy = ZeroStrategy(config=ZeroConfig(stage=spec.stage, parallel=parallel, **units))
+    from step_time import _step_timer_class
+
     timer = _step_timer_class()(spec.warmup)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -225,14 +227,14 @@ def _fit_and_measure(spec: RunSpec, rank: int) -> RankRun:
     trainer.fit(model, train_dataloaders=_build_loader(spec))
     if timer.state_bytes is None:
         raise RuntimeError(f"{spec.layout}: training ended before on_train_end measured the model state")
-    state = timer.state_bytes
+    params, grads, optimizer_states = timer.state_bytes
     return RankRun(
         layout=spec.layout,
         rank=rank,
         step_times_s=timer.step_times_s,
-        params=state.params,
-        grads=state.grads,
-        optimizer_states=state.optimizer_states,
+        params=params,
+        grads=grads,
+        optimizer_states=optimizer_states,
         mesh=_describe_mesh(strategy.parallel_dims),
     )
 
@@ -265,49 +267,12 @@ def _model_class() -> type:
 
 
 def _build_loader(spec: RunSpec) -> Any:
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
+    from step_time import token_loader
 
     # Enough windows that no data-parallel rank runs out before max_steps; Lightning adds the
     # DistributedSampler over the data-parallel ranks (tensor ranks of one data rank share theirs).
     samples = spec.global_batch * (spec.warmup + spec.steps + 1)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(spec.vocab_size, (samples, spec.block_size + 1), generator=generator)
-    dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])  # (N, T) inputs, (N, T) next tokens
-    return DataLoader(dataset, batch_size=spec.per_rank_batch, shuffle=True, drop_last=True, num_workers=0)
-
-
-def _step_timer_class() -> type:
-    import lightning.pytorch as pl
-
-    class StepTimer(pl.Callback):
-        """Times each optimizer step (one batch: no accumulation) and, at the end, the model state."""
-
-        def __init__(self, warmup: int) -> None:
-            self.warmup = warmup
-            self.step_times_s: list[float] = []
-            self.state_bytes: Any = None
-            self._seen_batches = 0
-            self._started: float | None = None
-
-        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                 batch_idx: int) -> None:
-            self._started = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                               batch_idx: int) -> None:
-            assert self._started is not None
-            elapsed = time.perf_counter() - self._started
-            self._seen_batches += 1
-            # The first steps pay for lazy allocation (optimizer state, buckets, allocator growth).
-            if self._seen_batches > self.warmup:
-                self.step_times_s.append(elapsed)
-
-        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            # Before the strategy's teardown, while gradients and optimizer state are still held.
-            self.state_bytes = trainer.strategy.model_state_bytes()
-
-    return StepTimer
+    return token_loader(samples, spec.vocab_size, spec.block_size, spec.per_rank_batch)
 
 
 # ---------------------------------------------------------------------------------------- parent side
@@ -452,8 +417,10 @@ def main(argv: Sequence[str]) -> int:
 
     # Inherited by the spawned ranks: also caps the OpenMP pools torch.set_num_threads does not reach.
     os.environ["OMP_NUM_THREADS"] = "1"
-    # Spawned ranks import this file as __mp_main__ and need tests/ (harness) on their path too.
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
+    # Spawned ranks import this file as __mp_main__ and need tests/ (harness) and benchmarks/
+    # (step_time's loader and timer) on their path too.
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), str(Path(__file__).resolve().parent),
+                                                *filter(None, [os.environ.get("PYTHONPATH")])])
     layouts = [name for name in LAYOUTS if name in args.layouts or name == BASELINE]
     specs = [
         RunSpec(name, args.stage, args.warmup, args.steps, args.global_batch, args.n_layer, args.n_head,

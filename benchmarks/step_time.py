@@ -276,16 +276,21 @@ def _build_model(spec: RunSpec) -> tuple[Any, str]:
 
 
 def _build_loader(spec: RunSpec) -> Any:
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
     knobs = spec.model
     # Enough windows that no rank runs out before max_steps; Lightning adds the DistributedSampler.
     samples = knobs.batch_size * spec.world_size * (spec.warmup + spec.steps + 1)
+    return token_loader(samples, knobs.vocab_size, knobs.block_size, knobs.batch_size)
+
+
+def token_loader(samples: int, vocab_size: int, block_size: int, batch_size: int) -> Any:
+    """``samples`` random token windows (a fixed seed) with their next tokens, in batches per rank."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(knobs.vocab_size, (samples, knobs.block_size + 1), generator=generator)
+    tokens = torch.randint(vocab_size, (samples, block_size + 1), generator=generator)
     dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])  # (N, T) inputs, (N, T) next tokens
-    return DataLoader(dataset, batch_size=knobs.batch_size, shuffle=True, drop_last=True, num_workers=0)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0)
 
 
 def _step_timer_class() -> type:

@@ -44,7 +44,22 @@ def token_data(samples: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-class TensorParallelGPT(GPT):
+class RecordsLosses(pl.LightningModule):
+    """Records each training step's loss (``_loss`` is the model's) and trains with plain AdamW
+    (no schedule), so the reference loop is a few lines."""
+
+    losses: list[float]
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
+
+
+class TensorParallelGPT(RecordsLosses, GPT):
     """The demo GPT, split by ``parallelize_gpt`` when the mesh has a tensor dimension, with plain
     AdamW (no schedule) so the reference loop is a few lines."""
 
@@ -58,13 +73,6 @@ class TensorParallelGPT(GPT):
         if mesh is not None and "tensor" in (mesh.mesh_dim_names or ()) and mesh["tensor"].size() > 1:
             parallelize_gpt(self, mesh["tensor"])
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
 
 
 class SequenceParallelGPT(TensorParallelGPT):
@@ -116,7 +124,7 @@ class FrozenGPT(TensorParallelGPT):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
 
 
-class HFGPT2(pl.LightningModule):
+class HFGPT2(RecordsLosses):
     """Hugging Face GPT-2 built from a config, split by ``parallelize_hf_gpt2``."""
 
     def __init__(self) -> None:
@@ -139,13 +147,6 @@ class HFGPT2(pl.LightningModule):
         logits = self.model(input_ids=tokens).logits
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
 
 
 class MetaGPT(TensorParallelGPT):
