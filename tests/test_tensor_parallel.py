@@ -247,10 +247,36 @@ def _bad_inputs() -> dict[str, str]:
     }
 
 
+class DemoGPT(TensorParallelGPT):
+    """With the demo's own configure_model, which Lightning calls at every fit/validate."""
+
+    configure_model = GPT.configure_model
+
+
+def _lifecycle() -> dict[str, float]:
+    """fit, validate twice, a new Trainer's fit on the same module, validate, then a forward after
+    teardown: each setup starts again from the plan's DTensors."""
+    module = DemoGPT()
+    loader = DataLoader(token_data(32), batch_size=4)
+    config = ZeroConfig(stage=3, parallel=ParallelConfig(tensor=2))
+    out = {}
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=config), 2)
+        trainer.fit(module, loader)
+        out["first"] = trainer.validate(module, loader, verbose=False)[0]["val_loss"]
+        out["again"] = trainer.validate(module, loader, verbose=False)[0]["val_loss"]
+        other = _trainer(ZeroStrategy(config=config), 4)
+        other.fit(module, loader)
+        out["after_more_steps"] = other.validate(module, loader, verbose=False)[0]["val_loss"]
+    with torch.no_grad():
+        out["forward_after_teardown"] = float(module._loss(next(iter(loader))))
+    return out
+
+
 def _all_cases(tmp: str) -> dict[str, Any]:
     offload = CPUOffloadPolicy()
     tp2 = ParallelConfig(tensor=2)
-    results: dict[str, Any] = {"errors": _bad_inputs()}
+    results: dict[str, Any] = {"errors": _bad_inputs(), "lifecycle": _lifecycle()}
     for name in ("gpt", "hf_gpt2"):
         for stage in (1, 2, 3):
             results[f"{name}-tp2-zero{stage}"] = _run(name, ZeroConfig(stage=stage, parallel=tp2), data_size=2)
@@ -536,3 +562,13 @@ def test_bad_input_is_a_clear_error_on_every_rank(results: list[dict[str, Any]],
     assert len(set(messages)) == 1, messages
     for name in names:
         assert name in messages[0], messages[0]
+
+
+def test_fit_validate_and_a_new_trainer_on_the_same_module(results: list[dict[str, Any]]) -> None:
+    """Lightning calls configure_model at every fit/validate: the plan is not applied twice, and
+    the module trains on under a new Trainer; every rank agrees."""
+    runs = [rank["lifecycle"] for rank in results]
+    assert all(run == runs[0] for run in runs)
+    run = runs[0]
+    assert run["again"] == run["first"] and run["after_more_steps"] < run["first"]
+    assert math.isfinite(run["forward_after_teardown"])
