@@ -259,3 +259,18 @@ def test_every_group_of_the_mesh_waits_the_strategys_timeout(results: list[dict[
     """A rank that never joins fails its peers after the user's timeout, on every dimension."""
     for rank in results:
         assert rank["timeouts"] == [77.0] * 7
+
+
+def test_lightning_cli_yaml_takes_the_mesh() -> None:
+    """`config: {stage: 3, parallel: {data: -1, tensor: 2}}` in LightningCLI YAML (as in
+    examples/gpt/configs/zero3_tp2_cpu.yaml) builds the strategy with a ParallelConfig."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from models import TinyGPT
+
+    strategy = {"class_path": "lightning_zero.ZeroStrategy",
+                "init_args": {"config": {"stage": 3, "parallel": {"data": -1, "tensor": 2}}}}
+    cli = LightningCLI(TinyGPT, run=False, args={"trainer": {"strategy": strategy, "accelerator": "cpu", "devices": 4,
+                                                             "logger": False}})
+    assert isinstance(cli.trainer.strategy, ZeroStrategy)
+    assert cli.trainer.strategy.config == ZeroConfig(stage=3, parallel=ParallelConfig(data=-1, tensor=2))
