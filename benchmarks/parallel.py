@@ -207,31 +207,14 @@ def _fit_and_measure(spec: RunSpec, rank: int) -> RankRun:
     }[spec.layout]
     units = {"unit_modules": ("Block",)} if spec.stage == 3 else {}
     strategy = ZeroStrategy(config=ZeroConfig(stage=spec.stage, parallel=parallel, **units))
-    from step_time import _step_timer_class
+    from step_time import timed_fit
 
-    timer = _step_timer_class()(spec.warmup)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD_SIZE,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=spec.warmup + spec.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
-    trainer.fit(model, train_dataloaders=_build_loader(spec))
-    if timer.state_bytes is None:
-        raise RuntimeError(f"{spec.layout}: training ended before on_train_end measured the model state")
-    params, grads, optimizer_states = timer.state_bytes
+    step_times_s, (params, grads, optimizer_states) = timed_fit(
+        model, strategy, WORLD_SIZE, spec.warmup, spec.steps, _build_loader(spec), spec.layout)
     return RankRun(
         layout=spec.layout,
         rank=rank,
-        step_times_s=timer.step_times_s,
+        step_times_s=step_times_s,
         params=params,
         grads=grads,
         optimizer_states=optimizer_states,

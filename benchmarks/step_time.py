@@ -192,33 +192,15 @@ def _train_and_measure(spec: RunSpec, rank: int) -> RankResult:
     model, model_source = _build_model(spec)
     # Counted before fit: once FSDP shards the module, its parameters are this rank's pieces.
     num_params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
-    timer = _step_timer_class()(spec.warmup)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=spec.world_size,
-        num_nodes=1,
-        strategy=_build_strategy(spec),
-        precision="32-true",
-        max_steps=spec.warmup + spec.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
-    trainer.fit(model, train_dataloaders=_build_loader(spec))
-    if timer.state_bytes is None:
-        raise RuntimeError(f"{spec.strategy}: training ended before on_train_end measured the model state")
-    params, grads, optimizer_states = timer.state_bytes
+    step_times_s, (params, grads, optimizer_states) = timed_fit(
+        model, _build_strategy(spec), spec.world_size, spec.warmup, spec.steps, _build_loader(spec), spec.strategy)
     # ru_maxrss is in KiB on Linux (bytes on macOS, which this CPU benchmark does not target).
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return RankResult(
         rank=rank,
-        step_times_s=timer.step_times_s,
+        step_times_s=step_times_s,
         peak_rss_bytes=peak_rss,
         params=params,
         grads=grads,
@@ -291,6 +273,35 @@ def token_loader(samples: int, vocab_size: int, block_size: int, batch_size: int
     tokens = torch.randint(vocab_size, (samples, block_size + 1), generator=generator)
     dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])  # (N, T) inputs, (N, T) next tokens
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0)
+
+
+def timed_fit(model: Any, strategy: Any, world_size: int, warmup: int, steps: int, loader: Any,
+              name: str) -> tuple[list[float], tuple[int, int, int]]:
+    """Fits ``model`` for ``warmup + steps`` optimizer steps on ``world_size`` CPU ranks (no
+    validation, logging or checkpoints): the timed steps' durations and the model-state bytes
+    (params, grads, optimizer states) at the end of training."""
+    import lightning.pytorch as pl
+
+    timer = _step_timer_class()(warmup)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=warmup + steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(model, train_dataloaders=loader)
+    if timer.state_bytes is None:
+        raise RuntimeError(f"{name}: training ended before on_train_end measured the model state")
+    return timer.step_times_s, timer.state_bytes
 
 
 def _step_timer_class() -> type:
