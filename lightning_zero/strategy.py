@@ -387,9 +387,7 @@ class ZeroStrategy(ParallelStrategy):
         """The DTensor parameters of a tensor-parallel plan become local parameters the engine
         shards (see [Note: local tensor-parallel parameters]); a plan built on the meta device is
         materialized first, as DTensors, so that each part is initialized as part of the whole."""
-        previous = self._tensor_parallel or TensorParallelParams.of(module)
-        if previous is not None:  # a previous setup's: start again from the plan's DTensors
-            previous.restore_dtensors()
+        # A previous run's local parts were turned back into the plan's DTensors in setup_environment.
         self._tensor_parallel = None
         self._engine_collectives = None
         if self._parallel is None or self._parallel.dims.tensor == 1:

@@ -81,31 +81,32 @@ class MeshPlacement:
     tensor: TensorParallelParams | None = None
 
     def shards(self, piece: ParamPiece) -> FlatShards:
-        spec = self.tensor.spec(piece.param) if self.tensor is not None else None
-        if spec is None or spec.dim is None:
+        spec = self.split(piece.param)
+        if spec is None:
             origin = (0,) * len(piece.shape)
             return FlatShards(piece.shape, piece.ranges, blocks=((origin, self.holders[self.tensor_rank]),))
-        blocks = tuple((spec.box_offsets(t), self.holders[t]) for t in range(len(self.holders)))
-        return FlatShards(piece.shape, piece.ranges, spec.global_shape, blocks, self.tensor_rank)
+        return FlatShards(piece.shape, piece.ranges, spec.global_shape, self._blocks(spec), self.tensor_rank)
 
     def split(self, param: nn.Parameter) -> TensorParallelParam | None:
         """The placement of a parameter split over the tensor ranks (None: not split)."""
         spec = self.tensor.spec(param) if self.tensor is not None else None
         return spec if spec is not None and spec.dim is not None else None
 
+    def _blocks(self, spec: TensorParallelParam) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """Every tensor rank's block of the global tensor, with the ranks holding its ranges."""
+        return tuple((spec.box_offsets(t), self.holders[t]) for t in range(len(self.holders)))
+
     def whole_local(self, spec: TensorParallelParam, local: Tensor) -> Any:
         """A split parameter without a piece (frozen at stages 1/2: whole on every rank) as its
         tensor rank's block of the global tensor, read and written whole by this rank."""
         ranges = tuple(Range(0, local.numel()) if r == self.rank else Range(local.numel(), local.numel())
                        for r in range(len(self.holders[0])))
-        blocks = tuple((spec.box_offsets(t), self.holders[t]) for t in range(len(self.holders)))
-        flat = FlatShards(tuple(local.shape), ranges, spec.global_shape, blocks, self.tensor_rank)
+        flat = FlatShards(tuple(local.shape), ranges, spec.global_shape, self._blocks(spec), self.tensor_rank)
         return flat.sharded_tensor(local.reshape(-1), self.rank, None)
 
     def offers(self, piece: ParamPiece) -> bool:
         """Whether this rank's piece goes into a save (see the note above)."""
-        spec = self.tensor.spec(piece.param) if self.tensor is not None else None
-        return self.first_replica and (self.tensor_rank == 0 or (spec is not None and spec.dim is not None))
+        return self.first_replica and (self.tensor_rank == 0 or self.split(piece.param) is not None)
 
     def global_shape(self, param: nn.Parameter, local_shape: tuple[int, ...]) -> tuple[int, ...]:
         spec = self.tensor.spec(param) if self.tensor is not None else None

@@ -22,7 +22,6 @@ parameters (see [Note: a step over the mesh]).
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -174,9 +173,6 @@ class TensorParallelParams:
 
     def spec(self, param: nn.Parameter) -> TensorParallelParam | None:
         return self.specs.get(param)
-
-    def local_numel(self) -> int:
-        return sum(math.prod(param.shape) for param in self.specs)
 
     def items(self) -> Iterator[tuple[nn.Parameter, TensorParallelParam]]:
         return iter(self.specs.items())
