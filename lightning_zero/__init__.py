@@ -7,7 +7,7 @@ variants) with Lightning, so ``Trainer(strategy="zero2")`` works. Importing neve
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import CheckpointError, consolidate
-from lightning_zero.config import ParallelConfig, ZeroConfig
+from lightning_zero.config import ParallelConfig, PipelineConfig, ZeroConfig
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
 from lightning_zero.precision import ZeroPrecision
@@ -41,6 +41,7 @@ __all__ = [
     "LossScaler",
     "ModelStateBytes",
     "ParallelConfig",
+    "PipelineConfig",
     "RanksDisagreeError",
     "ZeroConfig",
     "ZeroOptimizer",

@@ -16,6 +16,10 @@ from lightning_zero.offload import CPUOffloadPolicy
 SUPPORTED_STAGES = (1, 2, 3)
 REST = -1  # a ParallelConfig size that takes whatever the other sizes leave of the world
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+# PipelineConfig.schedule names -> torch.distributed.pipelining schedule classes (parallel/pipeline.py)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+# Schedules that run one stage per rank; the others take several (interleaved, V-shaped).
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,95 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism with ``torch.distributed.pipelining`` (see [Note: pipeline stages] in
+    lightning_zero/parallel/pipeline.py).
+
+    Attributes:
+        size: pipeline ranks: the model's layers are split into ``size * stages_per_rank`` stages,
+            each rank runs its own, and activations pass between neighbours. ZeRO shards each
+            stage over its data-parallel ranks. 1 (the default) turns pipelining off.
+        schedule: ``"gpipe"``, ``"1f1b"`` (the default), ``"interleaved_1f1b"``,
+            ``"interleaved_zero_bubble"`` or ``"zbv_zero_bubble"`` (torch's ScheduleGPipe,
+            Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble).
+        microbatches: how many micro-batches each batch is split into (it must divide the batch
+            size). More micro-batches mean a smaller bubble, (size - 1) / (microbatches + size - 1)
+            of each step for 1F1B. ``None`` takes ``size * stages_per_rank``.
+        stages_per_rank: stages each rank runs: 1 for gpipe/1f1b, 2 or more for the interleaved
+            schedules (the zero-bubble V schedule needs exactly 2).
+        split_points: names of the layers (as in ``named_modules()``, e.g. ``"blocks.4"``) that each
+            start a new stage; ``len(split_points) + 1`` must be the number of stages. ``None``
+            (the default) splits the module's ``pipeline_layers()`` into stages of about equal
+            parameter counts.
+    """
+
+    size: int = 1
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    stages_per_rank: int = 1
+    split_points: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("size", "stages_per_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PipelineConfig.{name}={value!r} must be a positive integer.")
+        if self.microbatches is not None and (
+            not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1
+        ):
+            raise ValueError(
+                f"PipelineConfig.microbatches={self.microbatches!r} must be a positive integer that divides the batch"
+                " size, or None for size * stages_per_rank."
+            )
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"PipelineConfig.schedule={self.schedule!r} is not a schedule we know: use one of"
+                f" {', '.join(map(repr, PIPELINE_SCHEDULES))}."
+            )
+        if self.schedule in SINGLE_STAGE_SCHEDULES and self.stages_per_rank != 1:
+            raise ValueError(
+                f"PipelineConfig.schedule={self.schedule!r} runs one stage per rank, but stages_per_rank="
+                f"{self.stages_per_rank}; use schedule='interleaved_1f1b' (or another interleaved schedule), or"
+                " stages_per_rank=1."
+            )
+        if self.schedule == "zbv_zero_bubble" and self.stages_per_rank != 2:
+            raise ValueError(
+                f"PipelineConfig.schedule='zbv_zero_bubble' places exactly 2 stages on each rank (a V), but"
+                f" stages_per_rank={self.stages_per_rank}; set stages_per_rank=2."
+            )
+        if self.schedule == "1f1b" and self.num_microbatches < self.num_stages:
+            raise ValueError(
+                f"PipelineConfig(schedule='1f1b', microbatches={self.num_microbatches}) needs at least one micro-batch"
+                f" per stage ({self.num_stages}): set microbatches >= {self.num_stages}, or use schedule='gpipe'."
+            )
+        if self.split_points is not None:
+            points = (self.split_points,) if isinstance(self.split_points, str) else self.split_points
+            if not isinstance(points, (tuple, list)) or not all(isinstance(p, str) and p for p in points):
+                raise ValueError(
+                    f"PipelineConfig.split_points={self.split_points!r} must be module names, e.g. ('blocks.2',)."
+                )
+            if len(points) != self.num_stages - 1:
+                raise ValueError(
+                    f"PipelineConfig.split_points={list(points)} gives {len(points) + 1} stages, but size={self.size}"
+                    f" x stages_per_rank={self.stages_per_rank} = {self.num_stages}; give {self.num_stages - 1}"
+                    " split point(s), or None to split by parameter count."
+                )
+            object.__setattr__(self, "split_points", tuple(points))
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.size * self.stages_per_rank
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else self.num_stages
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """How ZeRO shards and communicates.
 
@@ -111,6 +204,8 @@ class ZeroConfig:
             that round trip per gather once the model's control flow is known to agree across ranks.
         parallel: how the ranks split into data- and tensor-parallel groups, and hybrid sharding
             (see :class:`ParallelConfig`); the default is plain ZeRO over every rank.
+        pipeline: pipeline parallelism (see :class:`PipelineConfig`): the pipeline ranks are the
+            outermost mesh dimension, data and tensor parallelism live within each stage.
     """
 
     stage: int = 2
@@ -127,6 +222,7 @@ class ZeroConfig:
     offload_params: CPUOffloadPolicy | None = None
     check_gather_order: bool = True
     parallel: ParallelConfig = ParallelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
 
     def __post_init__(self) -> None:
         _check_type("stage", self.stage, int)
@@ -194,6 +290,25 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.parallel={self.parallel!r} must be a ParallelConfig, e.g. ParallelConfig(tensor=2)"
                 " (in YAML: parallel: {tensor: 2})."
+            )
+        if isinstance(self.pipeline, dict):  # YAML / LightningCLI give a mapping
+            known = {f.name for f in fields(PipelineConfig)}
+            unknown = sorted(set(self.pipeline) - known)
+            if unknown:
+                raise ValueError(f"Unknown ZeroConfig.pipeline field(s) {unknown}; valid fields are {sorted(known)}.")
+            object.__setattr__(self, "pipeline", PipelineConfig(**self.pipeline))
+        elif not isinstance(self.pipeline, PipelineConfig):
+            raise ValueError(
+                f"ZeroConfig.pipeline={self.pipeline!r} must be a PipelineConfig, e.g. PipelineConfig(size=2)"
+                " (in YAML: pipeline: {size: 2, schedule: 1f1b, microbatches: 8})."
+            )
+        if self.pipeline.enabled and self.stage == 3:
+            raise ValueError(
+                f"ZeroConfig(stage=3) cannot be combined with pipeline parallelism (pipeline.size={self.pipeline.size}):"
+                " stage 3 gathers every layer's parameters for each forward and backward, and a pipeline runs each"
+                " layer once per micro-batch, so it would all-gather every parameter 2 x microbatches times per step."
+                " A pipeline stage already holds only 1/size of the model: use stage=1 or stage=2 (with"
+                " offload_optimizer for the optimizer state), or stage 3 without a pipeline."
             )
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(

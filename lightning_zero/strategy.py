@@ -64,6 +64,7 @@ from lightning_zero.checkpoint.state import (
     MeshPlacement,
     model_entries,
     model_pieces,
+    model_view,
     optimizer_entries,
     param_names,
     publish_masters,
@@ -77,6 +78,8 @@ from lightning_zero.parallel.mesh import (
     resolve_dims,
     sync_module_states,
 )
+from lightning_zero.parallel.pipeline import PipelineRunner, build_pipeline, is_split
+from lightning_zero.pipeline_steps import PipelineSteps
 from lightning_zero.parallel.tensor import TensorParallelParams, materialize_tensor_parallel
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
@@ -161,10 +164,13 @@ class ZeroStrategy(ParallelStrategy):
         self._start_method = start_method
         self._collectives = collectives
         self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
+        self._restore_optimizer_zero_grad: Callable[[], Any] = lambda: None
+        self._zero_grad_of_window: Callable[..., Any] = lambda *args: None  # the module's own optimizer_zero_grad
         self._engine: ZeroEngine | None = None
         # The mesh and its groups, when config.parallel asks for more than plain ZeRO (see [Note: one mesh]).
         self._parallel: ParallelGroups | None = None
         self._tensor_parallel: TensorParallelParams | None = None
+        self._pipeline: PipelineRunner | None = None  # this rank's pipeline stages (see [Note: pipeline stages])
         self._engine_collectives: Collectives | CountingCollectives | None = None
         self._synced_backwards = 0  # backward calls whose gradients the next step reduces
         self._in_no_sync = False
@@ -294,7 +300,8 @@ class ZeroStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         # Before the process group exists: a size that does not fit the world fails on every rank alike.
-        dims = resolve_dims(self.config.parallel, self.num_nodes * self.num_processes, self.num_processes)
+        dims = resolve_dims(self.config.parallel, self.num_nodes * self.num_processes, self.num_processes,
+                            self.config.pipeline.size)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._parallel = None
         if not dims.trivial:
@@ -344,7 +351,9 @@ class ZeroStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.lightning_module is not None
         # Before the first collective that depends on the model (see [Note: ranks that disagree]).
-        check_same_model(self.lightning_module, self.collectives)
+        # A module an earlier pipelined run split holds one rank's layers: ranks differ by design.
+        if not is_split(self.lightning_module):
+            check_same_model(self.lightning_module, self.collectives)
         self._setup_engine()
         if trainer.state.fn == TrainerFn.FITTING:
             # Before the precision cast: the fp32 master shards are taken from the fp32 weights.
@@ -362,6 +371,7 @@ class ZeroStrategy(ParallelStrategy):
         precision = self.precision_plugin
         assert isinstance(precision, ZeroPrecision)
         self._localize_tensor_parallel(module)
+        self._setup_pipeline(module)
         on_meta = self.config.stage == 3 and any(p.is_meta for p in module.parameters())
         if on_meta:
             _materialize_meta_buffers(module, self.root_device)
@@ -421,6 +431,43 @@ class ZeroStrategy(ParallelStrategy):
         self._tensor_parallel = TensorParallelParams(module, self._parallel.tensor_mesh)
         # The local parts must agree too (a rank that applied another plan would shard other shapes).
         check_same_model(module, self.collectives)
+
+    def _setup_pipeline(self, module: Module) -> None:
+        """Keeps this rank's pipeline stages of the module (see [Note: pipeline stages])."""
+        self._pipeline = None
+        config = self.config.pipeline
+        if not config.enabled:
+            return
+        assert self._parallel is not None and self._parallel.pipeline_group is not None
+        trainer = module._trainer
+        if trainer is not None and any(isinstance(c, _WEIGHT_AVERAGING_CALLBACKS) for c in trainer.callbacks):
+            raise ValueError(
+                "StochasticWeightAveraging / WeightAveraging callbacks are not supported with pipeline parallelism"
+                f" (ZeroConfig.pipeline.size={config.size}) yet: their copy of the model would hold the whole model on"
+                " every rank. Remove the callback or turn the pipeline off."
+            )
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"{type(module).__name__} uses manual optimization, which pipeline parallelism does not support: the"
+                " schedule runs every micro-batch's forward and backward itself. Use automatic optimization (return"
+                " the loss from training_step), or turn the pipeline off."
+            )
+        self._pipeline = build_pipeline(module, config, self._parallel.pipeline_group, self.root_device)
+        self._defer_zero_grad(module)
+
+    def _defer_zero_grad(self, module: Module) -> None:
+        """Lightning zeroes the gradients after training_step, before its backward; in a pipeline
+        the backward ran inside training_step, so the module's ``optimizer_zero_grad`` is called
+        by the pipelined step itself, before the schedule (see _pipeline_training_step)."""
+        original = module.optimizer_zero_grad
+        self._zero_grad_of_window = original
+        module.optimizer_zero_grad = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        self._restore_optimizer_zero_grad = lambda: module.__dict__.pop("optimizer_zero_grad", None)
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """This rank's pipeline stages and their schedules, once set up (None without a pipeline)."""
+        return self._pipeline
 
     def _rebuild_weight_averages(self) -> None:
         """Lightning's StochasticWeightAveraging and EMAWeightAveraging copy the module in their
@@ -539,6 +586,16 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            # The schedule ran every micro-batch's backward inside training_step; the hooks around
+            # a backward (on_before_backward, on_after_backward) still run.
+            module = self.lightning_module
+            assert module is not None
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.post_backward(
+                self.precision_plugin.pre_backward(closure_loss, module), module)
+            self.post_backward(closure_loss)
+            return closure_loss
         if not self._in_no_sync:
             self._synced_backwards += 1
         engine = self._engine
@@ -569,6 +626,8 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_training_step(*args, **kwargs)
         self._hold_root()
         module = self.lightning_module
         if module is None or module.automatic_optimization:
@@ -581,6 +640,50 @@ class ZeroStrategy(ParallelStrategy):
             if self._engine is not None:
                 self._engine.free_idle()
 
+    def _pipeline_training_step(self, batch: Any, batch_idx: int = 0, *rest: Any, **kwargs: Any) -> Any:
+        """Forward and backward of every micro-batch through the schedule (see [Note: Lightning
+        steps in a pipeline]); each gradient accumulates locally and the optimizer step reduces it
+        once (see [Note: pipeline stages])."""
+        if rest or kwargs:
+            raise TypeError("Under pipeline parallelism training_step takes (batch, batch_idx) only.")
+        module = self.lightning_module
+        assert module is not None and self._pipeline is not None
+        engine = self._require_engine()
+        precision = self.precision_plugin
+        assert isinstance(precision, ZeroPrecision)
+        (batch, batch_idx), _ = precision.convert_input(((batch, batch_idx), {}))
+        trainer = module._trainer
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        scale = precision.loss_scaler.scale if precision.loss_scaler is not None else 1.0
+        if not self._in_no_sync:
+            self._synced_backwards += 1
+        if trainer is not None and batch_idx % accumulate == 0:
+            # the first batch of an accumulation window starts from zero gradients (see _defer_zero_grad)
+            for optimizer in trainer.optimizers:
+                self._zero_grad_of_window(trainer.current_epoch, batch_idx, optimizer)
+
+        def run(schedule_step: Callable[[], None]) -> None:
+            with engine.no_sync():
+                engine.begin_backward()
+                try:
+                    with precision.train_step_context():
+                        schedule_step()
+                    engine.absorb_param_grads()
+                finally:
+                    engine.close_backward()
+
+        return PipelineSteps(self._pipeline).training_step(module, batch, batch_idx, scale / accumulate, run)
+
+    def _pipeline_eval_step(self, hook: str, context: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) < 1:
+            raise TypeError(f"Under pipeline parallelism {hook} takes (batch, batch_idx[, dataloader_idx]) only.")
+        module = self.lightning_module
+        assert module is not None and self._pipeline is not None
+        args, _ = self.precision_plugin.convert_input((args, {}))
+        batch, batch_idx, *rest = (*args, 0) if len(args) == 1 else args
+        with context():
+            return PipelineSteps(self._pipeline).eval_step(module, hook, batch, batch_idx, *rest)
+
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._engine is None:
@@ -592,16 +695,22 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
         with self._root_gathered():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_eval_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
         with self._root_gathered():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
         with self._root_gathered():
             return super().predict_step(*args, **kwargs)
 
@@ -734,7 +843,7 @@ class ZeroStrategy(ParallelStrategy):
             checkpoint[_AVERAGE_MARK] = True
         optimizers = [(state["state"], state[META_KEY]) for state in checkpoint.pop("optimizer_states", [])]
         state = sharded_state(module, model, optimizers, checkpoint, self.world_size, self.config.stage, group=None,
-                              parallel=self._mesh_description())
+                              parallel=self._mesh_description(), placement=self._mesh_placement())
         if average is not None:
             state[AVERAGE_KEY] = average_entries(module, average, self._model_pieces(), group=None,
                                                  placement=self._mesh_placement())
@@ -782,6 +891,8 @@ class ZeroStrategy(ParallelStrategy):
                         for state, optimizer in zip(states, self.zero_optimizers)
                     ]
             pieces = self._model_pieces()
+            if self._pipeline is not None:
+                checkpoint = self._this_stage_of_full_checkpoint(path, checkpoint, fitting)
             check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading, pieces=pieces)
             has_optimizer_state = "optimizer_states" in checkpoint
             if fitting and has_optimizer_state:
@@ -790,6 +901,26 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint.setdefault("pytorch-lightning_version", pl.__version__)
         if fitting and not has_optimizer_state:
             self._start_training_state_afresh(checkpoint, path)
+        return checkpoint
+
+    def _this_stage_of_full_checkpoint(self, path: Path, checkpoint: dict[str, Any], fitting: bool) -> dict[str, Any]:
+        """A whole-model checkpoint (DDP's, an export) under a pipeline: the keys of every stage are
+        checked, and this rank keeps its own stage's."""
+        module = self.lightning_module
+        assert module is not None
+        view = model_view(module, (), self._model_pieces(), self._mesh_placement())
+        check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading,
+                              pieces=self._model_pieces(), view=view)
+        if fitting and "optimizer_states" in checkpoint:
+            raise CheckpointError(
+                f"{path} is a whole-model checkpoint with torch-format optimizer state, which indexes parameters by"
+                " position over the whole model; under pipeline parallelism each stage holds other parameters, so it"
+                " cannot resume from it. Resume from a sharded checkpoint (the default), or load the weights only"
+                " (e.g. strategy.load_checkpoint in on_fit_start, or a checkpoint without optimizer_states)."
+            )
+        mine = set(module.state_dict())
+        checkpoint = dict(checkpoint)
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in mine}
         return checkpoint
 
     def _start_training_state_afresh(self, checkpoint: dict[str, Any], path: Path) -> None:
@@ -851,6 +982,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._restore_lr_scheduler_step()
+        self._restore_optimizer_zero_grad()
         precision = self.precision_plugin
         restore_fp32 = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
         if self._interrupted() and not self._failed_on_every_rank:
@@ -974,12 +1106,18 @@ def _materialize_meta_buffers(module: Module, device: torch.device) -> None:
 def _check_parallel_combination(config: ZeroConfig, state_dict_type: str, collectives: object) -> None:
     """Refuses, at construction, what a mesh does not support yet (before any process starts)."""
     parallel = config.parallel
-    if parallel.is_trivial:
+    if parallel.is_trivial and not config.pipeline.enabled:
         return
     if collectives is not None:
         raise ValueError(
             f"ZeroStrategy(collectives=...) cannot be combined with ZeroConfig.parallel={parallel}: the engine's"
             " collectives are built over the mesh's shard group. Drop collectives=, or use plain ZeRO."
+        )
+    if config.pipeline.enabled and state_dict_type == "full":
+        raise ValueError(
+            f"ZeroStrategy(state_dict_type='full') is not supported with pipeline parallelism"
+            f" (pipeline.size={config.pipeline.size}): every stage holds other layers. Use the default 'sharded'"
+            " checkpoints, which hold the whole model, and export one file with `lightning-zero consolidate`."
         )
     if parallel.tensor != 1 and state_dict_type == "full":
         raise ValueError(

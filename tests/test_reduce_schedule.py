@@ -145,6 +145,9 @@ class FakeCollectives:
     def all_reduce_tensor_parallel(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
         pass  # no tensor parallelism here
 
+    def all_reduce_pipeline(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        pass  # no pipeline here
+
     def broadcast_to_replicas(self, tensor: Tensor) -> None:
         pass  # no replicas here
 

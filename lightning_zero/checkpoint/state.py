@@ -79,6 +79,21 @@ class MeshPlacement:
     tensor_rank: int
     first_replica: bool
     tensor: TensorParallelParams | None = None
+    # The ranks of this rank's pipeline, one per stage (see [Note: checkpoint layout with a pipeline]).
+    pipeline_group: dist.ProcessGroup | None = None
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank saves what its part of the model holds once (buffers, step counts)."""
+        return self.first_replica and self.rank == 0 and self.tensor_rank == 0
+
+    def across_stages(self, obj: Any) -> list[Any]:
+        """Every pipeline stage's ``obj``, in stage order (a collective over the pipeline group)."""
+        if self.pipeline_group is None or dist.get_world_size(self.pipeline_group) == 1:
+            return [obj]
+        every: list[Any] = [None] * dist.get_world_size(self.pipeline_group)
+        dist.all_gather_object(every, obj, group=self.pipeline_group)
+        return every
 
     def shards(self, piece: ParamPiece) -> FlatShards:
         spec = self.split(piece.param)
@@ -125,6 +140,62 @@ def _piece_rank(group: dist.ProcessGroup | None, placement: MeshPlacement | None
     return placement.rank if placement is not None else rank_of(group)
 
 
+def _saves_once(group: dist.ProcessGroup | None, placement: MeshPlacement | None) -> bool:
+    """Whether this rank writes the entries saved once per part of the model: rank 0, or on a
+    mesh each pipeline stage's first rank (its stage's layers are only there)."""
+    return placement.leader if placement is not None else rank_of(group) == 0
+
+
+# [Note: checkpoint layout with a pipeline]
+# Each pipeline stage's ranks hold only that stage's layers (see [Note: pipeline stages] in
+# parallel/pipeline.py), but parameter names are the whole model's, so a checkpoint is the whole
+# model's too: every stage saves its own keys (what is saved once, by the stage's first rank), and
+# the meta lists the keys, dtypes and optimizer param groups of all stages together, gathered over
+# the pipeline group. A load checks the checkpoint against all stages' keys and reads each rank's
+# own, so the checkpoint loads with another pipeline size or without a pipeline.
+@dataclass(frozen=True)
+class ModelView:
+    """What the checks and the meta see of the model: the whole model's keys and shapes and
+    every optimizer's named param groups, over every pipeline stage."""
+
+    keys: list[str]
+    shapes: dict[str, tuple[int, ...]]  # global shapes of the tensor entries
+    aliases: dict[str, str]
+    param_dtypes: dict[str, str]
+    param_groups: list[list[dict[str, Any]]]  # per optimizer
+
+
+def model_view(module: nn.Module, optimizers: Sequence[ShardedOptimizer], pieces: Sequence[ParamPiece] = (),
+               placement: MeshPlacement | None = None) -> ModelView:
+    """This rank's :class:`ModelView`, merged over the pipeline's stages (a collective over the
+    pipeline group when there is one; no communication otherwise)."""
+    mine = module.state_dict(keep_vars=True)
+    shapes = true_shapes(pieces)
+    local = {key: shapes.get(value, tuple(value.shape)) for key, value in mine.items() if isinstance(value, Tensor)}
+    if placement is not None:
+        local = {key: placement.global_shape(mine[key], shape) if isinstance(mine[key], nn.Parameter) else shape
+                 for key, shape in local.items()}
+    names = param_names(module)
+    view = ModelView(
+        keys=list(mine), shapes=local, aliases=tied_aliases(module),
+        param_dtypes={k: str(v.dtype) for k, v in mine.items() if isinstance(v, nn.Parameter)},
+        param_groups=[named_param_groups(optimizer, names) for optimizer in optimizers],
+    )
+    if placement is None or placement.pipeline_group is None:
+        return view
+    stages = placement.across_stages(view)
+    keys = list(dict.fromkeys(key for stage in stages for key in stage.keys))
+    groups = [description["param_groups"] for description in _merged_descriptions(
+        [[{"param_groups": groups, "per_element": []} for groups in stage.param_groups] for stage in stages])]
+    return ModelView(
+        keys=keys,
+        shapes={k: v for stage in stages for k, v in stage.shapes.items()},
+        aliases={k: v for stage in stages for k, v in stage.aliases.items()},
+        param_dtypes={k: v for stage in stages for k, v in stage.param_dtypes.items()},
+        param_groups=groups,
+    )
+
+
 # ---------------------------------------------------------------------------------------- save
 def is_extra_state(key: str) -> bool:
     return key == _EXTRA_STATE_KEY_SUFFIX or key.endswith("." + _EXTRA_STATE_KEY_SUFFIX)
@@ -137,9 +208,9 @@ def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.P
 
     Rank 0's, not any rank's: ZeRO does not re-broadcast buffers every forward as DDP does, so
     e.g. BatchNorm statistics differ between ranks, and DCP would keep an arbitrary rank's copy
-    of an entry every rank offers. A module's extra state is one pickled object.
+    of an entry every rank offers (on a mesh: each pipeline stage's first rank, see [Note:
+    checkpoint layout with a pipeline]). A module's extra state is one pickled object.
     """
-    rank = rank_of(group)
     by_param = {piece.param: piece for piece in pieces}
     aliases = tied_aliases(module)
     entries: dict[str, Any] = {}
@@ -154,7 +225,7 @@ def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.P
         elif split is not None and placement is not None:
             if placement.first_replica and placement.rank == 0:  # its tensor rank's block, once
                 entries[key] = placement.whole_local(split, value.detach())
-        elif rank != 0:
+        elif not _saves_once(group, placement):
             continue
         elif is_extra_state(key):
             entries[key] = object_entry(value)
@@ -180,7 +251,6 @@ def average_entries(
     placement: MeshPlacement | None = None,
 ) -> dict[str, Any]:
     """A weight average's state dict (keyed like the module's) for a sharded save."""
-    rank = rank_of(group)
     by_key = _pieces_by_key(module, pieces)
     entries: dict[str, Any] = {}
     for key, value in average.items():
@@ -189,7 +259,7 @@ def average_entries(
             if placement is None or placement.offers(piece):  # stage 3: this rank's piece
                 entries[key] = _sharded(piece, value.detach().reshape(-1), _piece_rank(group, placement), group,
                                         placement)
-        elif rank == 0:
+        elif _saves_once(group, placement):
             entries[key] = value.detach() if isinstance(value, Tensor) else object_entry(value)
     return entries
 
@@ -240,7 +310,6 @@ def optimizer_entries(
     State shaped like the master piece is saved with the parameter's shape, sharded; anything else
     (Adam's step count) as it is, once per parameter.
     """
-    rank = rank_of(group)
     per_element: set[str] = set()
     entries: dict[str, Any] = {}
     for piece in optimizer.param_pieces():
@@ -252,7 +321,7 @@ def optimizer_entries(
                 if piece.numel > 0 and (placement is None or placement.offers(piece)):
                     entry[key] = _sharded(piece, piece.in_holder.slice(value), _piece_rank(group, placement), group,
                                           placement)
-            elif rank == 0:  # the same on every rank; saved once (see model_entries)
+            elif _saves_once(group, placement):  # the same on every rank; saved once (see model_entries)
                 entry[key] = value.detach() if isinstance(value, Tensor) else value
         if entry:
             entries[piece.name] = entry
@@ -286,27 +355,49 @@ def sharded_state(
     stage: int,
     group: dist.ProcessGroup | None,
     parallel: dict[str, Any] | None = None,
+    placement: MeshPlacement | None = None,
 ) -> dict[str, Any]:
     """The DCP state dict of one rank: its model and optimizer entries; rank 0 adds the meta
-    (with ``parallel``, the mesh's description: see CheckpointMeta.parallel)."""
+    (with ``parallel``, the mesh's description: see CheckpointMeta.parallel), which under a
+    pipeline describes every stage (see [Note: checkpoint layout with a pipeline]; then a
+    collective over the pipeline group)."""
     state: dict[str, Any] = {MODEL_KEY: model}
     for index, (entries, _) in enumerate(optimizers):
         if entries:  # before the first step an optimizer has no state; DCP would record no key for {}
             state[optimizer_key(index)] = entries
+    view = model_view(module, (), placement=placement)
+    descriptions = [description for _, description in optimizers]
+    if placement is not None and placement.pipeline_group is not None:
+        descriptions = _merged_descriptions(placement.across_stages(descriptions))
     if rank_of(group) == 0:
-        module_state = module.state_dict(keep_vars=True)
         meta = CheckpointMeta(
             world_size=world_size,
             stage=stage,
-            model_keys=list(module_state),
-            aliases=tied_aliases(module),
-            param_dtypes={k: str(v.dtype) for k, v in module_state.items() if isinstance(v, nn.Parameter)},
-            optimizers=[description for _, description in optimizers],
+            model_keys=view.keys,
+            aliases=view.aliases,
+            param_dtypes=view.param_dtypes,
+            optimizers=descriptions,
             lightning=lightning,
             parallel=dict(parallel or {}),
         )
         state[META_KEY] = meta.to_entry()
     return state
+
+
+def _merged_descriptions(stages: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every stage's optimizer descriptions as one per optimizer: the param groups list the
+    parameters of all stages."""
+    merged = []
+    for per_stage in zip(*stages):
+        first = dict(per_stage[0])
+        first["param_groups"] = []
+        for groups in zip(*(description["param_groups"] for description in per_stage)):
+            group = dict(groups[0])
+            group["params"] = [name for stage_group in groups for name in stage_group["params"]]
+            first["param_groups"].append(group)
+        first["per_element"] = sorted({key for description in per_stage for key in description["per_element"]})
+        merged.append(first)
+    return merged
 
 
 def save_checkpoint(
@@ -328,7 +419,7 @@ def save_checkpoint(
     world = dist.get_world_size(group) if is_distributed() else 1
     state = sharded_state(module, model_entries(module, pieces, group, placement),
                           [optimizer_entries(o, names, group, placement) for o in optimizers], dict(extra or {}), world,
-                          stage, group)
+                          stage, group, placement=placement)
     save_sharded(path, state, group, checksums=checksums)
 
 
@@ -363,15 +454,14 @@ def publish_masters(engine: ZeroEngine | None, optimizers: Sequence[ShardedOptim
 
 # ---------------------------------------------------------------------------------------- load
 def check_model_fits(
-    path: Path, metadata: Metadata, meta: CheckpointMeta, module: nn.Module, strict: bool,
-    pieces: Sequence[ParamPiece] = (), placement: MeshPlacement | None = None,
+    path: Path, metadata: Metadata, meta: CheckpointMeta, view: ModelView, strict: bool,
 ) -> None:
     """Raises CheckpointError naming every missing, unexpected and mis-shaped key (before anything loads)."""
     prefix = MODEL_KEY + "."
     saved = {k[len(prefix) :]: md.size for k, md in metadata.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     shapes = {key: saved[meta.aliases.get(key, key)] for key in meta.model_keys if meta.aliases.get(key, key) in saved}
-    _check_fits(path, meta.model_keys, shapes, module, strict, pieces, placement)
+    _check_fits(path, meta.model_keys, shapes, view, strict)
 
 
 def true_shapes(pieces: Sequence[ParamPiece]) -> dict[nn.Parameter, tuple[int, ...]]:
@@ -381,23 +471,18 @@ def true_shapes(pieces: Sequence[ParamPiece]) -> dict[nn.Parameter, tuple[int, .
 
 
 def _check_fits(
-    path: Path, saved_keys: Sequence[str], saved_shapes: Mapping[str, Sequence[int]], module: nn.Module, strict: bool,
-    pieces: Sequence[ParamPiece] = (), placement: MeshPlacement | None = None,
+    path: Path, saved_keys: Sequence[str], saved_shapes: Mapping[str, Sequence[int]], view: ModelView, strict: bool,
 ) -> None:
-    """The one comparison of a checkpoint's keys and tensor shapes with the module's state dict
-    (global shapes under tensor parallelism: see [Note: checkpoint layout with a mesh])."""
-    mine = module.state_dict(keep_vars=True)
-    shapes = true_shapes(pieces)
-    mine_shapes = {key: shapes.get(value, tuple(value.shape)) for key, value in mine.items() if isinstance(value, Tensor)}
-    if placement is not None:
-        mine_shapes = {key: placement.global_shape(mine[key], shape) if isinstance(mine[key], nn.Parameter) else shape
-                       for key, shape in mine_shapes.items()}
+    """The one comparison of a checkpoint's keys and tensor shapes with the model's (global
+    shapes under tensor parallelism: see [Note: checkpoint layout with a mesh]; every stage's
+    keys under a pipeline: see [Note: checkpoint layout with a pipeline])."""
     keys = set(saved_keys)
-    missing = [k for k in mine if k not in keys]
+    mine = set(view.keys)
+    missing = [k for k in view.keys if k not in keys]
     unexpected = [k for k in saved_keys if k not in mine]
     wrong = {
         key: (tuple(saved_shapes[key]), shape)
-        for key, shape in mine_shapes.items()
+        for key, shape in view.shapes.items()
         if key in saved_shapes and tuple(saved_shapes[key]) != shape
     }
     message = describe_mismatch(path, missing, unexpected, wrong, strict)
@@ -406,15 +491,14 @@ def _check_fits(
 
 
 def check_optimizers_fit(
-    path: Path, meta: CheckpointMeta, optimizers: Sequence[ShardedOptimizer], names: Mapping[nn.Parameter, str]
+    path: Path, meta: CheckpointMeta, optimizers: Sequence[ShardedOptimizer], view: ModelView
 ) -> None:
     if len(meta.optimizers) != len(optimizers):
         raise CheckpointError(
             f"The checkpoint {path} holds the state of {len(meta.optimizers)} optimizer(s) but configure_optimizers"
             f" returned {len(optimizers)}. Resume with the same optimizers, or load the weights only. Nothing was loaded."
         )
-    for number, (saved, optimizer) in enumerate(zip(meta.optimizers, optimizers)):
-        current = named_param_groups(optimizer, names)
+    for number, (saved, optimizer, current) in enumerate(zip(meta.optimizers, optimizers, view.param_groups)):
         mine_class = type(optimizer.optimizer).__qualname__
         if saved["class"] != mine_class:
             raise CheckpointError(
@@ -503,14 +587,15 @@ def load_into(
     agree first, so every rank raises the same CheckpointError. A collective. The caller publishes
     the loaded masters to the parameters afterwards."""
     failure: str | None = None
+    # Before anything that can fail on one rank only: under a pipeline this is a collective.
+    view = model_view(module, optimizers or (), model_pieces, placement)
     try:
         metadata = read_metadata(path)
         meta = read_meta(path, metadata)
-        check_model_fits(path, metadata, meta, module, strict, model_pieces, placement)
-        names = param_names(module)
+        check_model_fits(path, metadata, meta, view, strict)
         loaded = [MODEL_KEY]
         if optimizers is not None and meta.optimizers:
-            check_optimizers_fit(path, meta, optimizers, names)
+            check_optimizers_fit(path, meta, optimizers, view)
             loaded += [optimizer_key(index) for index in range(len(meta.optimizers))]
     except CheckpointError as error:
         failure = str(error)
@@ -570,12 +655,13 @@ def load_into(
 
 # ---------------------------------------------------------------------------------------- full files
 def check_full_state_fits(
-    path: Path, state_dict: Mapping[str, Any], module: nn.Module, strict: bool, pieces: Sequence[ParamPiece] = ()
+    path: Path, state_dict: Mapping[str, Any], module: nn.Module, strict: bool, pieces: Sequence[ParamPiece] = (),
+    view: ModelView | None = None,
 ) -> None:
-    """A whole-weights state dict against the module: names every missing, unexpected and
-    mis-shaped key before anything is loaded."""
+    """A whole-weights state dict against the module (or ``view``, every pipeline stage's keys):
+    names every missing, unexpected and mis-shaped key before anything is loaded."""
     shapes = {key: value.shape for key, value in state_dict.items() if isinstance(value, Tensor)}
-    _check_fits(path, list(state_dict), shapes, module, strict, pieces)
+    _check_fits(path, list(state_dict), shapes, view if view is not None else model_view(module, (), pieces), strict)
 
 
 def check_full_optimizer_states(

@@ -54,13 +54,17 @@ class StepGroups:
 
     ``everyone``: the group that agrees whether to step (an overflow or a gradient anywhere counts
     for all: tensor-parallel ranks and replicas must skip together); ``None`` is the engine's group.
+    Under a pipeline it is the ranks of this stage, and the overflow flag spans ``pipeline`` too.
     ``tensor``: the tensor-parallel group, over which the norms of ``tensor_sharded`` parameters
     (each rank holds another part of them) add up; parameters replicated over it count once.
+    ``pipeline``: the ranks of this rank's pipeline, one per stage: each holds other parameters,
+    so the whole norm adds up over it.
     """
 
     everyone: dist.ProcessGroup | None = None
     tensor: dist.ProcessGroup | None = None
     tensor_sharded: frozenset[Any] = frozenset()
+    pipeline: dist.ProcessGroup | None = None
 
 
 # [Note: a step over the mesh]
@@ -71,7 +75,8 @@ class StepGroups:
 # ``StepGroups.everyone``; and the global gradient norm: the squared norms of tensor-parallel shards
 # add up over the tensor group, while a parameter replicated over it (a norm, an embedding) is the
 # same on every tensor rank and is counted once. Replicas of a shard group hold the same reduced
-# gradient after the all-reduce across them, so the norm never sums over replicas.
+# gradient after the all-reduce across them, so the norm never sums over replicas. Pipeline stages
+# hold disjoint parameters: the norm's partial sums (or maxima) then add up over the pipeline group.
 
 
 class _ReplicaReduction:
@@ -210,16 +215,29 @@ class Collectives:
             dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
     def all_reduce_step_flags(self, flags: Tensor) -> None:
-        """MAX of a step's decision flags over every rank that steps together (see StepGroups)."""
+        """MAX of a step's decision flags over every rank that steps together (see StepGroups):
+        all of them over the ranks holding the same parameters, and the last (overflow) over the
+        pipeline's stages too, which hold other parameters but must skip together."""
         group = self.step_groups.everyone
         if group is None:
             self.all_reduce(flags, dist.ReduceOp.MAX)
         elif dist.get_world_size(group) > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        pipeline = self.step_groups.pipeline
+        if pipeline is not None and dist.get_world_size(pipeline) > 1:
+            overflow = flags[-1:].clone()
+            dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=pipeline)
+            flags[-1:] = overflow
 
     def all_reduce_tensor_parallel(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
         """Reduces partial norms of tensor-parallel shards over the tensor group (if any)."""
         group = self.step_groups.tensor
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, op=op, group=group)
+
+    def all_reduce_pipeline(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        """Reduces a stage's partial norm over the pipeline's stages (if any)."""
+        group = self.step_groups.pipeline
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(tensor, op=op, group=group)
 
@@ -318,6 +336,10 @@ class CountingCollectives:
     def all_reduce_tensor_parallel(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
         self.calls.append(CollectiveCall("tensor_all_reduce", tensor.numel(), tensor.dtype))
         self.inner.all_reduce_tensor_parallel(tensor, op)
+
+    def all_reduce_pipeline(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        self.calls.append(CollectiveCall("pipeline_all_reduce", tensor.numel(), tensor.dtype))
+        self.inner.all_reduce_pipeline(tensor, op)
 
     def all_gather(self, output: Tensor, input: Tensor) -> Handle:
         self.calls.append(CollectiveCall("all_gather", output.numel(), output.dtype))

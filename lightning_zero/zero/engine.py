@@ -59,6 +59,11 @@ class ZeroEngine(Protocol):
         each optimizer's step calls it for its own pieces)."""
         ...
 
+    def absorb_param_grads(self) -> None:
+        """Gradients a backward left in ``.grad`` without the accumulation hook join the engine's
+        (see [Note: pipeline stages] in parallel/pipeline.py)."""
+        ...
+
     def has_leftover_grads(self) -> bool:
         """Whether gradients arrived after their reduction of that backward went out."""
         ...

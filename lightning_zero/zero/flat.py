@@ -541,6 +541,14 @@ class FlatEngine:
     def has_leftover_grads(self) -> bool:
         return any(layout.schedule.leftover for layout in self.layouts)
 
+    def absorb_param_grads(self) -> None:
+        """Gradients a backward left in ``.grad`` without running the accumulation hook (torch's
+        zero-bubble weight backward adds them itself, see [Note: pipeline stages]) join the buckets."""
+        for layout in self.layouts:
+            for param in layout.slot_of:
+                if param.grad is not None:
+                    layout.on_grad_ready(param)
+
     def expect_leftover_grads(self) -> None:
         for layout in self.layouts:
             layout.schedule.leftover = True

@@ -413,12 +413,15 @@ class ShardedOptimizer(Optimizer):
             over_tensor = local[:1].clone()
             self.collectives.all_reduce_tensor_parallel(over_tensor, dist.ReduceOp.MAX)
             norm = torch.maximum(over_tensor[0], local[1])
+            self.collectives.all_reduce_pipeline(norm, dist.ReduceOp.MAX)
         else:
             local = torch.stack([self._local_power_sum(sharded, norm_type), self._local_power_sum(replicated, norm_type)])
             self.collectives.all_reduce(local, dist.ReduceOp.SUM)
             over_tensor = local[:1].clone()
             self.collectives.all_reduce_tensor_parallel(over_tensor, dist.ReduceOp.SUM)
-            norm = (over_tensor[0] + local[1]).pow(1.0 / norm_type)
+            power = over_tensor[0] + local[1]
+            self.collectives.all_reduce_pipeline(power, dist.ReduceOp.SUM)
+            norm = power.pow(1.0 / norm_type)
         return self._unscaled(norm)
 
     def _local_max(self, grads: Sequence[Tensor]) -> Tensor:
@@ -431,13 +434,16 @@ class ShardedOptimizer(Optimizer):
         return sum((g.abs().pow(norm_type).sum().to(device) for g in grads), torch.zeros((), device=device))
 
     def _norm_of(self, grads: list[Tensor], norm_type: float) -> Tensor:
-        """The norm over every rank of the engine's group, of gradients sharded over it."""
+        """The norm over every rank of the engine's group, of gradients sharded over it (and over
+        the pipeline's stages, which hold other parameters)."""
         if math.isinf(norm_type):
             local = self._local_max(grads)
             self.collectives.all_reduce(local, dist.ReduceOp.MAX)
+            self.collectives.all_reduce_pipeline(local, dist.ReduceOp.MAX)
             return self._unscaled(local)
         local = self._local_power_sum(grads, norm_type)
         self.collectives.all_reduce(local, dist.ReduceOp.SUM)
+        self.collectives.all_reduce_pipeline(local, dist.ReduceOp.SUM)
         return self._unscaled(local.pow(1.0 / norm_type))
 
     def _unscaled(self, norm: Tensor) -> Tensor:

@@ -175,6 +175,10 @@ class Zero3Engine(Zero3Hooks):
     def close_backward(self) -> None:
         self.schedule.close_backward()
 
+    def absorb_param_grads(self) -> None:
+        """Only a pipeline's zero-bubble backward leaves gradients outside the hooks, and stage 3
+        does not run in a pipeline (ZeroConfig refuses it)."""
+
     def has_leftover_grads(self) -> bool:
         return self.schedule.leftover
 

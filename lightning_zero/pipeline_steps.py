@@ -1,0 +1,190 @@
+"""A LightningModule's steps run through pipeline stages (the Lightning edge of
+:mod:`lightning_zero.parallel.pipeline`).
+
+[Note: Lightning steps in a pipeline]
+``training_step`` stays the user's: on the last stage the schedule's loss function calls it once
+per micro-batch, with that micro-batch, while ``self(...)`` (the module's forward) returns the
+last stage's output for it instead of running the model. Its loss, divided by the micro-batch
+count (and Lightning's ``accumulate_grad_batches``, and multiplied by the fp16 loss scale), is
+what the schedule backpropagates. What the step logs with ``self.log`` is recorded instead of
+logged, reduced over the micro-batches (by each call's ``reduce_fx``), sent from the last stage
+to every rank of its pipeline and logged there once, so progress bar, loggers, callbacks and
+``ModelCheckpoint(monitor=...)`` see the same values on every rank. The step returns the mean
+loss, detached (the schedule already ran the backward). Validation, test and predict run the
+pipeline forward only and call the user's step once, on the last stage, with the whole batch's
+output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_zero.parallel.pipeline import (
+    PipelineError,
+    PipelineRunner,
+    batch_size_of,
+    default_pipeline_input,
+    split_batch,
+)
+
+_REDUCERS: dict[Any, Callable[[Tensor], Tensor]] = {
+    "mean": torch.mean, torch.mean: torch.mean, "avg": torch.mean,
+    "sum": torch.sum, torch.sum: torch.sum,
+    "max": torch.max, torch.max: torch.max,
+    "min": torch.min, torch.min: torch.min,
+}
+
+
+class LogRecorder:
+    """What a step logs with ``self.log`` (and ``log_dict``) while it runs on the last stage."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[Tensor]] = {}
+        self.kwargs: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def capturing(self, module: pl.LightningModule) -> Generator[None, None, None]:
+        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if args:
+                raise PipelineError(
+                    f"self.log({name!r}, ...) under pipeline parallelism takes its options by keyword (prog_bar=True, ...)."
+                )
+            if not isinstance(value, (Tensor, int, float)):
+                raise PipelineError(
+                    f"self.log({name!r}, <{type(value).__name__}>) under pipeline parallelism: only tensors and numbers"
+                    " can be sent from the last stage to the other ranks. Log the metric's value"
+                    " (e.g. `self.log(name, metric(preds, target))` or `metric.compute()` at epoch end)."
+                )
+            reduce_fx = kwargs.get("reduce_fx", "mean")
+            if reduce_fx not in _REDUCERS:
+                raise PipelineError(
+                    f"self.log({name!r}, reduce_fx={reduce_fx!r}) under pipeline parallelism: the micro-batches' values"
+                    " are combined with reduce_fx, which must be one of 'mean', 'sum', 'max', 'min'."
+                )
+            tensor = torch.as_tensor(value).detach().float().cpu()
+            self.values.setdefault(name, []).append(tensor)
+            self.kwargs[name] = kwargs
+
+        previous = module.__dict__.get("log")
+        module.log = record  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            if previous is None:
+                module.__dict__.pop("log", None)
+            else:
+                module.log = previous  # type: ignore[method-assign]
+
+    def reduced(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        """Each name's value over the micro-batches, reduced by its ``reduce_fx``."""
+        out = {}
+        for name, values in self.values.items():
+            kwargs = self.kwargs[name]
+            reducer = _REDUCERS[kwargs.get("reduce_fx", "mean")]
+            out[name] = (float(reducer(torch.stack(values))), kwargs)
+        return out
+
+
+@contextlib.contextmanager
+def forward_returns(module: pl.LightningModule, output: Any, hook: str) -> Generator[None, None, None]:
+    """Within it, the module's forward returns ``output`` (the last stage's), once."""
+    calls = [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 1:
+            raise PipelineError(
+                f"{type(module).__name__}.{hook} called the model twice in one step: under pipeline parallelism the"
+                " model's forward runs in the pipeline stages, once per (micro-)batch, and self(...) returns the last"
+                " stage's output. Call it once per step."
+            )
+        return output
+
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        module.__dict__.pop("forward", None)
+
+
+def _loss_of(result: Any, module: pl.LightningModule) -> Tensor:
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise PipelineError(
+            f"{type(module).__name__}.training_step returned {type(result).__name__} under pipeline parallelism: it"
+            " must return the loss (a scalar tensor, or a dict with 'loss') for every micro-batch; a step cannot be"
+            " skipped by returning None, because the other stages' backward waits for it."
+        )
+    return loss
+
+
+class PipelineSteps:
+    """Runs the LightningModule's steps through this rank's pipeline stages (see the note above)."""
+
+    def __init__(self, runner: PipelineRunner) -> None:
+        self.runner = runner
+
+    def _inputs(self, module: pl.LightningModule, batch: Any) -> Any:
+        if not self.runner.is_first:
+            return None
+        custom = getattr(module, "pipeline_input", None)
+        return custom(batch) if callable(custom) else default_pipeline_input(batch)
+
+    def training_step(self, module: pl.LightningModule, batch: Any, batch_idx: int, loss_multiplier: float,
+                      run: Callable[[Callable[[], None]], None]) -> dict[str, Tensor]:
+        """One batch's forward and backward; ``run`` wraps the schedule (the engine's no_sync)."""
+        runner = self.runner
+        size = batch_size_of(batch)
+        microbatches = runner.config.num_microbatches
+        pieces = split_batch(batch, microbatches, size) if runner.is_last and size % microbatches == 0 else []
+        recorder = LogRecorder()
+        losses: list[Tensor] = []
+
+        def loss_fn(output: Any, index: int) -> Tensor:
+            with forward_returns(module, output, "training_step"), recorder.capturing(module):
+                loss = _loss_of(module.training_step(pieces[index], batch_idx), module)
+            losses.append(loss.detach())
+            return loss * (loss_multiplier / microbatches)
+
+        inputs = self._inputs(module, batch)
+        run(lambda: runner.train_step(inputs, size, loss_fn))
+        mean = torch.stack(losses).float().mean().item() if losses else 0.0
+        mean, logged = self._from_last_stage(mean, recorder)
+        self._log(module, logged)
+        return {"loss": torch.tensor(mean, device=runner.device)}
+
+    def eval_step(self, module: pl.LightningModule, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        """Validation/test/predict: the pipeline forward only, then the user's step on the last stage."""
+        runner = self.runner
+        output = runner.eval_step(self._inputs(module, batch), batch_size_of(batch))
+        recorder = LogRecorder()
+        result = None
+        if runner.is_last:
+            with forward_returns(module, output, hook), recorder.capturing(module):
+                result = getattr(module, hook)(batch, batch_idx, *rest)
+        _, logged = self._from_last_stage(0.0, recorder)
+        self._log(module, logged)
+        return result
+
+    def _from_last_stage(self, loss: float, recorder: LogRecorder) -> tuple[float, dict[str, Any]]:
+        """The last stage's loss and logged values, on every rank of the pipeline."""
+        runner = self.runner
+        payload = [(loss, recorder.reduced()) if runner.is_last else None]
+        source = dist.get_global_rank(runner.group, runner.last_stage_rank)
+        dist.broadcast_object_list(payload, src=source, group=runner.group)
+        return payload[0]
+
+    @staticmethod
+    def _log(module: pl.LightningModule, logged: dict[str, tuple[float, dict[str, Any]]]) -> None:
+        for name, (value, kwargs) in logged.items():
+            module.log(name, torch.tensor(value), **kwargs)
+
+
+__all__ = ["LogRecorder", "PipelineSteps", "forward_returns"]

@@ -1,0 +1,554 @@
+"""Pipeline parallelism (torch.distributed.pipelining) under ZeRO 1/2, from Lightning.
+
+One group of 4 gloo ranks runs every Trainer case (pp4, pp2 x dp2 at zero1/zero2/offload, the
+interleaved and zero-bubble schedules, pp2 x tp2, accumulation + clipping + a scheduler, fp16,
+validation and ModelCheckpoint, a checkpoint resumed at another pipeline size and without a
+pipeline); one group of 2 ranks runs pp2 itself, the bubble measurement and the errors a batch
+can cause. The reference is one process with torch.optim.AdamW on the same batches (fp32).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from harness import launched_environment, run_on_ranks
+from models import VOCAB, token_data
+
+from lightning_zero import ParallelConfig, PipelineConfig, ZeroConfig, ZeroStrategy
+from lightning_zero.offload import CPUOffloadPolicy
+from lightning_zero.parallel.mesh import resolve_dims
+from lightning_zero.parallel.pipeline import (
+    PipelineError,
+    build_pipeline,
+    check_microbatches,
+    check_parameters_in_one_stage,
+    pipeline_layers,
+    split_batch,
+    split_layers,
+    stage_indices,
+)
+from lightning_zero.precision import ZeroPrecision
+
+STEPS = 4
+BATCH = 8  # per data-parallel rank
+SAMPLES = 128
+WEIGHT_ATOL = 2e-5  # fp32: micro-batch sums and the reductions add in another order than one process
+LOSS_RTOL = 1e-5
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class PipeNet(pl.LightningModule):
+    """An embedding, blocks and a head: a forward that is its layers in order."""
+
+    def __init__(self, width: int = 16, layers: int = 6, lr: float = 1e-2, scheduler: bool = False,
+                 tensor_parallel: bool = False, poison_step: int | None = None) -> None:
+        super().__init__()
+        self.poison_step = poison_step
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB)
+        self.lr, self.scheduler, self.tensor_parallel = lr, scheduler, tensor_parallel
+        self.losses: list[float] = []
+        self.batches: list[tuple[Tensor, Tensor]] = []
+        self.logged: list[float] = []
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def on_fit_start(self) -> None:
+        # An overflow on the first stage only (only it holds blocks.0) at one step.
+        if self.poison_step is not None and isinstance(self.blocks[0], Block):
+            def poison(grad: Tensor) -> Tensor:
+                return grad * float("inf") if self.trainer.global_step == self.poison_step else grad
+
+            self.blocks[0].fc1.weight.register_hook(poison)
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if self.tensor_parallel and mesh is not None and "tensor" in (mesh.mesh_dim_names or ()):
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            plan = {}
+            for index in range(len(self.blocks)):
+                plan[f"blocks.{index}.fc1"] = ColwiseParallel()
+                plan[f"blocks.{index}.fc2"] = RowwiseParallel()
+            parallelize_module(self, mesh["tensor"], plan)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        tokens, targets = batch
+        loss = nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("tokens_seen", float(targets.numel()), reduce_fx="sum")
+        return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.batches.append((batch[0].clone(), batch[1].clone()))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.logged.append(float(self.trainer.callback_metrics["train_loss"]))
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        loss = nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
+        self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+        if not self.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def new_model(**kwargs: Any) -> PipeNet:
+    torch.manual_seed(0)
+    return PipeNet(**kwargs)
+
+
+def train_loader(batch: int = BATCH) -> DataLoader:
+    return DataLoader(token_data(SAMPLES), batch_size=batch, shuffle=False)
+
+
+def _trainer(strategy: ZeroStrategy, steps: int, **kwargs: Any) -> pl.Trainer:
+    kwargs.setdefault("enable_checkpointing", False)
+    return pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=steps,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      **kwargs)
+
+
+def _run(config: ZeroConfig, steps: int = STEPS, module: PipeNet | None = None, precision: Any = None,
+         ckpt_path: str | None = None, save: str | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
+    module = module if module is not None else new_model()
+    strategy = ZeroStrategy(config=config)
+    if precision is not None:
+        trainer_kwargs["plugins"] = [precision]
+    with launched_environment():
+        trainer = _trainer(strategy, steps, **trainer_kwargs)
+        trainer.fit(module, train_dataloaders=train_loader(), ckpt_path=ckpt_path)
+        if save is not None:
+            trainer.save_checkpoint(save)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {
+        "losses": module.losses,
+        "logged": module.logged,
+        "batches": module.batches,
+        "params": {name: p.detach().clone() for name, p in module.named_parameters()},
+        "metrics": metrics,
+        "stage_indices": strategy.pipeline.indices if strategy.pipeline is not None else None,
+    }
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the test compares the message
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+# ---------------------------------------------------------------------------------------- 4 ranks
+def _four_rank_cases(tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"rank": dist.get_rank()}
+    pipe = PipelineConfig
+    out["pp4"] = _run(ZeroConfig(stage=1, pipeline=pipe(size=4, microbatches=4)))
+    out["pp2_zero1"] = _run(ZeroConfig(stage=1, pipeline=pipe(size=2, microbatches=4)))
+    out["pp2_zero2"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4), reduce_bucket_size=500))
+    out["pp2_zero2_offload"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4),
+                                               offload_optimizer=CPUOffloadPolicy()))
+    out["interleaved"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4, stages_per_rank=2,
+                                                                schedule="interleaved_1f1b")))
+    out["interleaved_zb"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4, stages_per_rank=2,
+                                                                   schedule="interleaved_zero_bubble")))
+    out["zbv"] = _run(ZeroConfig(stage=1, pipeline=pipe(size=2, microbatches=4, stages_per_rank=2,
+                                                        schedule="zbv_zero_bubble")))
+    out["pp2_tp2"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4), parallel=ParallelConfig(tensor=2)),
+                          module=new_model(tensor_parallel=True))
+    out["accumulate_clip_schedule"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=2)),
+                                           module=new_model(scheduler=True), steps=3, accumulate_grad_batches=2,
+                                           gradient_clip_val=0.05)
+    out["fp16"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4)), precision=ZeroPrecision("16-mixed"),
+                       steps=5, module=new_model(poison_step=2))
+    # Validation and a ModelCheckpoint monitoring a metric logged on the last stage.
+    directory = os.path.join(tmp, "monitored")
+    callback = pl.callbacks.ModelCheckpoint(dirpath=directory, monitor="train_loss", save_top_k=1,
+                                            every_n_train_steps=2)
+    module = new_model()
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4))), STEPS,
+                           callbacks=[callback], enable_checkpointing=True, val_check_interval=2)
+        val = DataLoader(token_data(32, seed=1), batch_size=BATCH)
+        trainer.fit(module, train_dataloaders=train_loader(), val_dataloaders=val)
+        validated = trainer.validate(module, val, verbose=False)
+    out["monitored"] = {
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "validate": validated[0]["val_loss"],
+        "best": callback.best_model_path,
+        "best_score": float(callback.best_model_score),
+        "params": {name: p.detach().clone() for name, p in module.named_parameters()},
+    }
+    # A pipelined checkpoint, resumed with another pipeline size and without a pipeline.
+    path = os.path.join(tmp, "pp2.ckpt")
+    out["saved"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4)), steps=3, save=path)
+    out["resumed_pp4"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=4, microbatches=4)), steps=5, ckpt_path=path)
+    out["resumed_plain"] = _run(ZeroConfig(stage=1), steps=5, ckpt_path=path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_on_ranks(_four_rank_cases, 4, str(tmp_path_factory.mktemp("pipeline")))
+
+
+# ---------------------------------------------------------------------------------------- reference
+def sampler_batches(data: int, steps: int, batch: int = BATCH) -> list[list[tuple[Tensor, Tensor]]]:
+    """Each step's batch on every data-parallel rank, as Lightning's DistributedSampler gives them."""
+    dataset = token_data(SAMPLES)
+    orders = [list(DistributedSampler(dataset, num_replicas=data, rank=r, shuffle=True, seed=0)) for r in range(data)]
+    out = []
+    for step in range(steps):
+        ranks = []
+        for order in orders:
+            indices = order[step * batch:(step + 1) * batch]
+            ranks.append((dataset.tensors[0][indices], dataset.tensors[1][indices]))
+        out.append(ranks)
+    return out
+
+
+def reference(steps_batches: list[list[tuple[Tensor, Tensor]]], accumulate: int = 1, clip: float | None = None,
+              scheduler: bool = False) -> tuple[list[float], dict[str, Tensor]]:
+    """One process: every data-parallel rank's loss averaged, AdamW, as Lightning would step."""
+    model = new_model(scheduler=scheduler)
+    optimizer_config = model.configure_optimizers()
+    optimizer = optimizer_config["optimizer"] if scheduler else optimizer_config
+    schedule = optimizer_config["lr_scheduler"]["scheduler"] if scheduler else None
+    losses = []
+    for index, ranks in enumerate(steps_batches):
+        per_rank = [nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()) for x, y in ranks]
+        loss = torch.stack(per_rank).mean()
+        (loss / accumulate).backward()
+        losses.append(float(per_rank[0]))
+        if (index + 1) % accumulate == 0:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            if schedule is not None:
+                schedule.step()
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def whole_model(ranks: list[dict[str, Any]], case: str) -> dict[str, Tensor]:
+    """Every rank's parameters together (each pipeline stage holds its own; replicas agree)."""
+    whole: dict[str, Tensor] = {}
+    for rank in ranks:
+        for name, value in rank[case]["params"].items():
+            if name in whole:
+                assert torch.equal(whole[name], value), f"{case}: {name} differs between ranks holding it"
+            whole[name] = value
+    return whole
+
+
+def assert_weights(whole: dict[str, Tensor], expected: dict[str, Tensor], case: str) -> None:
+    assert whole.keys() == expected.keys(), case
+    worst = max((whole[k] - expected[k]).abs().max().item() for k in whole)
+    assert worst < WEIGHT_ATOL, f"{case}: weights differ from the single-process run by {worst:.2e}"
+
+
+@pytest.mark.parametrize("case, data", [("pp4", 1), ("pp2_zero1", 2), ("pp2_zero2", 2), ("pp2_zero2_offload", 2),
+                                        ("interleaved", 2), ("interleaved_zb", 2), ("zbv", 2)])
+def test_pipelines_match_one_process(four: list[dict[str, Any]], case: str, data: int) -> None:
+    expected_losses, expected = reference(sampler_batches(data, STEPS))
+    assert_weights(whole_model(four, case), expected, case)
+    for rank in four:  # every rank of data-parallel rank 0 sees the last stage's loss
+        if rank["rank"] % data == 0:
+            assert rank[case]["losses"] == pytest.approx(expected_losses, rel=LOSS_RTOL)
+            assert rank[case]["logged"] == pytest.approx(expected_losses, rel=LOSS_RTOL)
+
+
+def test_pipeline_ranks_run_their_stages(four: list[dict[str, Any]]) -> None:
+    assert [rank["pp4"]["stage_indices"] for rank in four] == [[0], [1], [2], [3]]
+    # pp outermost: ranks 0, 1 are stage 0's data-parallel ranks
+    assert [rank["pp2_zero1"]["stage_indices"] for rank in four] == [[0], [0], [1], [1]]
+    assert [rank["interleaved"]["stage_indices"] for rank in four] == [[0, 2], [0, 2], [1, 3], [1, 3]]
+    assert [rank["zbv"]["stage_indices"] for rank in four] == [[0, 3], [0, 3], [1, 2], [1, 2]]
+    # each rank holds only its stages' layers
+    stage0 = set(four[0]["pp2_zero1"]["params"])
+    stage1 = set(four[2]["pp2_zero1"]["params"])
+    assert not stage0 & stage1 and "embed.weight" in stage0 and "head.weight" in stage1
+
+
+def test_pipeline_with_tensor_parallel_matches_one_process(four: list[dict[str, Any]]) -> None:
+    """pp2 x tp2: each rank holds a tensor rank's half of its stage's fc1/fc2."""
+    _, expected = reference(sampler_batches(1, STEPS))
+    whole: dict[str, Tensor] = {}
+    for rank in four:
+        tensor_rank = rank["rank"] % 2
+        for name, value in rank["pp2_tp2"]["params"].items():
+            if ".fc1." in name or (".fc2." in name and name.endswith("weight")):
+                whole.setdefault(name, [None, None])[tensor_rank] = value  # type: ignore[assignment]
+            else:
+                whole[name] = value
+    joined = {name: torch.cat(value, dim=0 if ".fc1." in name else 1) if isinstance(value, list) else value
+              for name, value in whole.items()}
+    assert_weights(joined, expected, "pp2_tp2")
+
+
+def test_accumulation_clipping_and_scheduler_match_one_process(four: list[dict[str, Any]]) -> None:
+    """accumulate_grad_batches=2, gradient_clip_val (the norm over every stage) and a StepLR."""
+    _, expected = reference(sampler_batches(2, 6), accumulate=2, clip=0.05, scheduler=True)
+    assert_weights(whole_model(four, "accumulate_clip_schedule"), expected, "accumulate_clip_schedule")
+
+
+def test_fp16_stages_skip_together(four: list[dict[str, Any]]) -> None:
+    """fp16 loss scaling: one overflow decision over every stage. A gradient that overflows on
+    the first stage only (step 2) makes every rank skip that step (the scale stays at 2**16: the
+    default hysteresis of 2 tolerates one overflow)."""
+    metrics = [rank["fp16"]["metrics"] for rank in four]
+    assert {(m["loss_scale"], m["skipped_steps"]) for m in metrics} == {(2.0 ** 16, 1.0)}
+    whole_model(four, "fp16")  # raises if two ranks holding a parameter disagree
+    assert all(math.isfinite(loss) for rank in four for loss in rank["fp16"]["losses"])
+
+
+def test_logged_metrics_reach_every_rank(four: list[dict[str, Any]]) -> None:
+    """The last stage's train_loss and val_loss are on every rank: ModelCheckpoint agrees."""
+    monitored = [rank["monitored"] for rank in four]
+    assert len({m["val_loss"] for m in monitored}) == 1
+    assert len({m["best"] for m in monitored}) == 1 and os.path.basename(monitored[0]["best"]).endswith(".ckpt")
+    # train_loss is each data-parallel rank's own (as under DDP): the same on every stage of one pipeline
+    assert monitored[0]["best_score"] == monitored[2]["best_score"]
+    assert monitored[1]["best_score"] == monitored[3]["best_score"]
+    assert monitored[0]["validate"] == pytest.approx(monitored[0]["val_loss"], rel=1e-6)
+    # validation ran the trained model: its loss is the single-process model's on the same data
+    _, expected = reference(sampler_batches(2, STEPS))
+    model = new_model()
+    model.load_state_dict(expected, strict=True)
+    tokens, targets = token_data(32, seed=1).tensors
+    with torch.no_grad():
+        val = torch.stack([nn.functional.cross_entropy(model(tokens[i:i + BATCH]).flatten(0, 1),
+                                                       targets[i:i + BATCH].flatten()) for i in range(0, 32, BATCH)])
+    assert monitored[0]["val_loss"] == pytest.approx(float(val.mean()), abs=1e-4)
+    sums = [rank["pp2_zero1"]["metrics"]["tokens_seen"] for rank in four]
+    assert sums == [BATCH * 8] * 4  # reduce_fx="sum" over the micro-batches: the whole batch's tokens
+
+
+@pytest.mark.parametrize("case, data", [("resumed_pp4", 1), ("resumed_plain", 4)])
+def test_checkpoint_resumes_with_another_pipeline_size(four: list[dict[str, Any]], case: str, data: int) -> None:
+    """Saved at pp2 x dp2 after 3 steps; resumed at pp4 and without a pipeline (dp4) for 2 more:
+    the weights equal one process that trained on the same batches, so the weights and the
+    optimizer state (Adam's moments and step) came back."""
+    saved = four[0]["saved"]
+    first = sampler_batches(2, 3)
+    by_data_rank: dict[int, list[tuple[Tensor, Tensor]]] = {}
+    for rank in four:
+        data_rank = rank["rank"] % data if data > 1 else 0
+        by_data_rank.setdefault(data_rank, rank[case]["batches"])
+    later = [[by_data_rank[r][step] for r in range(data)] for step in range(2)]
+    assert len(saved["batches"]) == 3
+    _, expected = reference(first + later)
+    assert_weights(whole_model(four, case), expected, case)
+
+
+# ---------------------------------------------------------------------------------------- 2 ranks
+WIDE, ROWS = 512, 256  # per micro-batch: 8 layers of 256 x 512 x 512, tens of ms against a 0.5 MB message
+
+
+class Wide(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class WideNet(nn.Module):
+    """Compute-heavy layers, so that the bubble shows over the communication."""
+
+    def __init__(self, width: int = 384, layers: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Wide(width) for _ in range(layers))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+
+def _idle_fractions(schedule: str, stages_per_rank: int, microbatches: int, steps: int = 4) -> float:
+    torch.manual_seed(0)
+    module = WideNet(WIDE)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    config = PipelineConfig(size=2, schedule=schedule, stages_per_rank=stages_per_rank, microbatches=microbatches)
+    runner = build_pipeline(module, config, group, torch.device("cpu"))
+    runner.record_actions()
+    batch = torch.randn(microbatches * ROWS, WIDE)
+    fractions = []
+    for _ in range(steps):
+        runner.train_step(batch if runner.is_first else None, batch.shape[0], lambda out, i: out.square().mean())
+        fractions.append(runner.timing.idle_fraction)
+    return min(fractions[1:])  # the least disturbed steady-state step
+
+
+def _two_rank_cases() -> dict[str, Any]:
+    out: dict[str, Any] = {"rank": dist.get_rank()}
+    out["pp2"] = _run(ZeroConfig(stage=2, pipeline=PipelineConfig(size=2, microbatches=4)))
+    out["gpipe"] = _run(ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=2, schedule="gpipe")))
+    out["idle_1f1b"] = _idle_fractions("1f1b", 1, 4, steps=3)
+    out["idle_zbv"] = _idle_fractions("zbv_zero_bubble", 2, 4, steps=3)
+    # A batch the micro-batches do not divide fails on both ranks alike, before any stage runs.
+    module = new_model()
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=3))), 2)
+        out["indivisible"] = _error(lambda: trainer.fit(module, train_dataloaders=train_loader(BATCH)))
+    # Tied weights across stages: refused at setup, on both ranks.
+    tied = new_model()
+    tied.head.weight = tied.embed.weight
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2))), 2)
+        out["tied"] = _error(lambda: trainer.fit(tied, train_dataloaders=train_loader()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return run_on_ranks(_two_rank_cases, 2)
+
+
+@pytest.mark.parametrize("case", ["pp2", "gpipe"])
+def test_pp2_matches_one_process(two: list[dict[str, Any]], case: str) -> None:
+    expected_losses, expected = reference(sampler_batches(1, STEPS))
+    assert_weights(whole_model(two, case), expected, case)
+    assert two[0][case]["losses"] == pytest.approx(expected_losses, rel=LOSS_RTOL)
+    assert two[0][case]["losses"] == two[1][case]["losses"]
+
+
+def test_bubble_is_near_theory_and_zero_bubble_is_lower(two: list[dict[str, Any]]) -> None:
+    """Per-rank idle time within a step, from timing each F/B/W action: 1F1B with p=2, m=4
+    idles (p-1)/(m+p-1) = 0.2 of the step (plus the time activations take to pass); the V
+    zero-bubble schedule fills that time with weight gradients."""
+    theory = (2 - 1) / (4 + 2 - 1)
+    idle_1f1b = [rank["idle_1f1b"] for rank in two]
+    idle_zbv = [rank["idle_zbv"] for rank in two]
+    print(f"idle 1f1b {idle_1f1b}, zbv {idle_zbv}, theory 1f1b {theory}")
+    assert all(abs(idle - theory) < 0.12 for idle in idle_1f1b), idle_1f1b
+    assert max(idle_zbv) < max(idle_1f1b), (idle_zbv, idle_1f1b)
+
+
+def test_bad_batches_fail_on_every_rank(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        assert "microbatches=3 does not divide the training batch size 8" in rank["indivisible"]
+        assert "tied weights" in rank["tied"] and "stage 0 and stage 1" in rank["tied"]
+
+
+# ---------------------------------------------------------------------------------------- no ranks
+def test_split_by_parameter_count_and_at_split_points() -> None:
+    module = new_model(layers=6)
+    layers = pipeline_layers(module)
+    assert [name for name, _ in layers][:2] == ["embed", "blocks.0"]
+    stages = split_layers(layers, PipelineConfig(size=2))
+    assert [[n for n, _ in stage] for stage in stages] == [["embed", "blocks.0", "blocks.1", "blocks.2"],
+                                                          ["blocks.3", "blocks.4", "blocks.5", "head"]]
+    sizes = [sum(p.numel() for _, m in stage for p in m.parameters()) for stage in split_layers(
+        layers, PipelineConfig(size=4))]
+    assert max(sizes) <= 2 * min(sizes)
+    stages = split_layers(layers, PipelineConfig(size=2, split_points=("blocks.4",)))
+    assert [n for n, _ in stages[1]] == ["blocks.4", "blocks.5", "head"]
+    assert stage_indices(1, PipelineConfig(size=2, stages_per_rank=2, schedule="interleaved_1f1b")) == [1, 3]
+    assert stage_indices(1, PipelineConfig(size=2, stages_per_rank=2, schedule="zbv_zero_bubble")) == [1, 2]
+
+
+def test_bad_splits_are_refused_with_the_fix() -> None:
+    layers = pipeline_layers(new_model(layers=2))  # 4 layers
+    with pytest.raises(PipelineError, match="asks for 8 stages .* only 4 pipeline layers"):
+        split_layers(layers, PipelineConfig(size=8))
+    with pytest.raises(PipelineError, match="leaves stage 1 empty"):
+        split_layers(layers, PipelineConfig(size=3, split_points=("blocks.0", "blocks.0")))
+    with pytest.raises(PipelineError, match="Did you mean 'blocks.1'"):
+        split_layers(layers, PipelineConfig(size=2, split_points=("block.1",)))
+    with pytest.raises(PipelineError, match="leaves stage 0 empty"):
+        split_layers(layers, PipelineConfig(size=2, split_points=("embed",)))
+    tied = new_model(layers=2)
+    tied.head.weight = tied.embed.weight
+    with pytest.raises(PipelineError, match="tied weights"):
+        check_parameters_in_one_stage(tied, split_layers(pipeline_layers(tied), PipelineConfig(size=2)))
+    stray = new_model(layers=2)
+    stray.scale = nn.Parameter(torch.ones(1))
+    with pytest.raises(PipelineError, match=r"\['scale'\] belong to no layer"):
+        check_parameters_in_one_stage(stray, split_layers(pipeline_layers(stray), PipelineConfig(size=2)))
+    with pytest.raises(PipelineError, match="has no pipeline_layers"):
+        pipeline_layers(nn.Linear(2, 2))
+    with pytest.raises(PipelineError, match="microbatches=3 does not divide the training batch size 8"):
+        check_microbatches(8, 3, "training")
+
+
+def test_bad_configs_are_refused_before_launch() -> None:
+    with pytest.raises(ValueError, match="schedule='looped' is not a schedule we know"):
+        PipelineConfig(size=2, schedule="looped")
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        PipelineConfig(size=2, stages_per_rank=2)
+    with pytest.raises(ValueError, match="exactly 2 stages"):
+        PipelineConfig(size=2, stages_per_rank=3, schedule="zbv_zero_bubble")
+    with pytest.raises(ValueError, match="gives 3 stages"):
+        PipelineConfig(size=2, split_points=("a", "b"))
+    with pytest.raises(ValueError, match="needs at least one micro-batch per stage"):
+        PipelineConfig(size=4, microbatches=2)
+    with pytest.raises(ValueError, match="microbatches=0 must be a positive integer"):
+        PipelineConfig(size=2, microbatches=0)
+    with pytest.raises(ValueError, match="stage=3. cannot be combined with pipeline parallelism"):
+        ZeroConfig(stage=3, pipeline={"size": 2})
+    with pytest.raises(ValueError, match=r"Unknown ZeroConfig.pipeline field\(s\) \['stages'\]"):
+        ZeroConfig(pipeline={"size": 2, "stages": 2})
+    with pytest.raises(ValueError, match="PipelineConfig.size=3 does not divide the world size 4"):
+        resolve_dims(ParallelConfig(), 4, 4, pipeline=3)
+    with pytest.raises(ValueError, match="tensor=4 does not divide the 2 ranks of each pipeline stage"):
+        resolve_dims(ParallelConfig(tensor=4), 4, 4, pipeline=2)
+    with pytest.raises(ValueError, match="state_dict_type='full'. is not supported with pipeline"):
+        ZeroStrategy(config=ZeroConfig(pipeline={"size": 2}), state_dict_type="full")
+    dims = resolve_dims(ParallelConfig(tensor=2), 8, 8, pipeline=2)
+    assert (dims.pipeline, dims.data, dims.tensor) == (2, 2, 2)
+    assert dims.pipeline_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.shard_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_micro_batches_split_every_tensor_of_the_batch() -> None:
+    tokens, targets = torch.arange(8).view(4, 2), torch.arange(4)
+    pieces = split_batch({"x": tokens, "y": targets, "name": "a"}, 2, 4)
+    assert torch.equal(pieces[1]["x"], tokens[2:]) and torch.equal(pieces[0]["y"], targets[:2])
+    assert pieces[0]["name"] == "a"
+    pieces = split_batch((tokens, targets), 4, 4)
+    assert isinstance(pieces[3], tuple) and torch.equal(pieces[3][1], targets[3:])
+
+
+def test_lightning_cli_yaml_takes_the_pipeline() -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    strategy = {"class_path": "lightning_zero.ZeroStrategy",
+                "init_args": {"config": {"stage": 2, "pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 8,
+                                                                  "stages_per_rank": 1}}}}
+    cli = LightningCLI(PipeNet, run=False, args={"trainer": {"strategy": strategy, "accelerator": "cpu", "devices": 2,
+                                                             "logger": False}})
+    assert cli.trainer.strategy.config.pipeline == PipelineConfig(size=2, schedule="1f1b", microbatches=8)
