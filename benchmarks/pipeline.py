@@ -500,8 +500,9 @@ def print_table(rows: Sequence[Row], args: argparse.Namespace, num_params: int, 
     cells, notes = _table_rows(rows, args.repeats)
     print(_markdown(header, cells))
     print()
-    for note in notes:
-        print(note)
+    if notes:
+        print("\n".join(notes))
+        print()
     print(f"GPT n_layer={args.n_layer} n_head={args.n_head} n_embd={args.n_embd} block_size={args.block_size}"
           f" vocab={args.vocab_size}, untied head: {num_params / 1e6:.2f} M parameters; AdamW, fp32; global batch"
           f" {args.global_batch}.")

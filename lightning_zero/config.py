@@ -130,6 +130,14 @@ class PipelineConfig:
                 f"PipelineConfig(schedule='1f1b', microbatches={self.num_microbatches}) needs at least one micro-batch"
                 f" per stage ({self.num_stages}): set microbatches >= {self.num_stages}, or use schedule='gpipe'."
             )
+        if self.schedule.startswith("interleaved"):
+            rounds = max(1, self.num_microbatches // self.size)
+            if self.num_microbatches % rounds:
+                raise ValueError(
+                    f"PipelineConfig(schedule={self.schedule!r}, microbatches={self.num_microbatches}, size={self.size}):"
+                    f" the interleaved schedules run the micro-batches in rounds of {self.size}; use a multiple of"
+                    f" {self.size} (e.g. {self.size * max(1, rounds)})."
+                )
         if self.split_points is not None:
             points = (self.split_points,) if isinstance(self.split_points, str) else self.split_points
             if not isinstance(points, (tuple, list)) or not all(isinstance(p, str) and p for p in points):

@@ -114,6 +114,22 @@ def forward_returns(module: pl.LightningModule, output: Any, hook: str) -> Gener
         module.__dict__.pop("forward", None)
 
 
+def _zero_loss(output: Any) -> Tensor:
+    """A loss of zero that still reaches every output, so the backward runs through all stages."""
+    tensors = [t for t in _tensor_leaves(output) if t.is_floating_point() and t.requires_grad]
+    return sum((t.sum() * 0.0 for t in tensors), torch.zeros((), device=tensors[0].device if tensors else None))
+
+
+def _tensor_leaves(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensor_leaves(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensor_leaves(item)]
+    return []
+
+
 def _loss_of(result: Any, module: pl.LightningModule) -> Tensor:
     loss = result.get("loss") if isinstance(result, dict) else result
     if not isinstance(loss, Tensor) or loss.dim() != 0:
@@ -146,17 +162,26 @@ class PipelineSteps:
         pieces = split_batch(batch, microbatches, size) if runner.is_last and size % microbatches == 0 else []
         recorder = LogRecorder()
         losses: list[Tensor] = []
+        failures: list[BaseException] = []
 
         def loss_fn(output: Any, index: int) -> Tensor:
-            with forward_returns(module, output, "training_step"), recorder.capturing(module):
-                loss = _loss_of(module.training_step(pieces[index], batch_idx), module)
+            # An error in the user's step must not leave the other stages waiting for gradients
+            # that never come: the schedule finishes with a zero loss, and every rank raises after.
+            if failures:
+                return _zero_loss(output)
+            try:
+                with forward_returns(module, output, "training_step"), recorder.capturing(module):
+                    loss = _loss_of(module.training_step(pieces[index], batch_idx), module)
+            except Exception as error:  # noqa: BLE001 - re-raised on every rank below
+                failures.append(error)
+                return _zero_loss(output)
             losses.append(loss.detach())
             return loss * (loss_multiplier / microbatches)
 
         inputs = self._inputs(module, batch)
         run(lambda: runner.train_step(inputs, size, loss_fn))
         mean = torch.stack(losses).float().mean().item() if losses else 0.0
-        mean, logged = self._from_last_stage(mean, recorder)
+        mean, logged = self._from_last_stage(mean, recorder, failures, "training_step")
         self._log(module, logged)
         return {"loss": torch.tensor(mean, device=runner.device)}
 
@@ -166,20 +191,32 @@ class PipelineSteps:
         output = runner.eval_step(self._inputs(module, batch), batch_size_of(batch))
         recorder = LogRecorder()
         result = None
+        failures: list[BaseException] = []
         if runner.is_last:
-            with forward_returns(module, output, hook), recorder.capturing(module):
-                result = getattr(module, hook)(batch, batch_idx, *rest)
-        _, logged = self._from_last_stage(0.0, recorder)
+            try:
+                with forward_returns(module, output, hook), recorder.capturing(module):
+                    result = getattr(module, hook)(batch, batch_idx, *rest)
+            except Exception as error:  # noqa: BLE001 - re-raised on every rank below
+                failures.append(error)
+        _, logged = self._from_last_stage(0.0, recorder, failures, hook)
         self._log(module, logged)
         return result
 
-    def _from_last_stage(self, loss: float, recorder: LogRecorder) -> tuple[float, dict[str, Any]]:
-        """The last stage's loss and logged values, on every rank of the pipeline."""
+    def _from_last_stage(self, loss: float, recorder: LogRecorder, failures: list[BaseException],
+                         hook: str) -> tuple[float, dict[str, Any]]:
+        """The last stage's loss and logged values, on every rank of the pipeline; an error the
+        user's step raised there is raised on every rank."""
         runner = self.runner
-        payload = [(loss, recorder.reduced()) if runner.is_last else None]
+        error = f"{type(failures[0]).__name__}: {failures[0]}" if failures else None
+        payload = [(loss, {} if failures else recorder.reduced(), error) if runner.is_last else None]
         source = dist.get_global_rank(runner.group, runner.last_stage_rank)
         dist.broadcast_object_list(payload, src=source, group=runner.group)
-        return payload[0]
+        loss, logged, error = payload[0]
+        if failures:
+            raise failures[0]
+        if error is not None:
+            raise PipelineError(f"{hook} failed on the last pipeline stage (global rank {source}): {error}")
+        return loss, logged
 
     @staticmethod
     def _log(module: pl.LightningModule, logged: dict[str, tuple[float, dict[str, Any]]]) -> None:

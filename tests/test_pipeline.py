@@ -413,6 +413,15 @@ def _idle_fractions(schedule: str, stages_per_rank: int, microbatches: int, step
     return min(fractions[1:])  # the least disturbed steady-state step
 
 
+class FailingNet(PipeNet):
+    """A user error in training_step (run on the last stage only) at the second step."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx == 1:
+            raise ValueError("the user's loss failed")
+        return super().training_step(batch, batch_idx)
+
+
 def _two_rank_cases() -> dict[str, Any]:
     out: dict[str, Any] = {"rank": dist.get_rank()}
     out["pp2"] = _run(ZeroConfig(stage=2, pipeline=PipelineConfig(size=2, microbatches=4)))
@@ -424,6 +433,12 @@ def _two_rank_cases() -> dict[str, Any]:
     with launched_environment():
         trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=3))), 2)
         out["indivisible"] = _error(lambda: trainer.fit(module, train_dataloaders=train_loader(BATCH)))
+    # An error in the user's step on the last stage: every rank raises it, none waits for gradients.
+    torch.manual_seed(0)
+    failing = FailingNet()
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=2, pipeline=PipelineConfig(size=2))), 3)
+        out["user_error"] = _error(lambda: trainer.fit(failing, train_dataloaders=train_loader()))
     # Tied weights across stages: refused at setup, on both ranks.
     tied = new_model()
     tied.head.weight = tied.embed.weight
@@ -459,6 +474,9 @@ def test_bubble_is_near_theory_and_zero_bubble_is_lower(two: list[dict[str, Any]
 
 
 def test_bad_batches_fail_on_every_rank(two: list[dict[str, Any]]) -> None:
+    assert two[1]["user_error"] == "ValueError: the user's loss failed"
+    assert two[0]["user_error"].startswith("PipelineError: training_step failed on the last pipeline stage (global rank 1)")
+    assert "the user's loss failed" in two[0]["user_error"]
     for rank in two:
         assert "microbatches=3 does not divide the training batch size 8" in rank["indivisible"]
         assert "tied weights" in rank["tied"] and "stage 0 and stage 1" in rank["tied"]
@@ -516,6 +534,8 @@ def test_bad_configs_are_refused_before_launch() -> None:
         PipelineConfig(size=2, split_points=("a", "b"))
     with pytest.raises(ValueError, match="needs at least one micro-batch per stage"):
         PipelineConfig(size=4, microbatches=2)
+    with pytest.raises(ValueError, match="run the micro-batches in rounds of 2"):
+        PipelineConfig(size=2, microbatches=5, stages_per_rank=2, schedule="interleaved_1f1b")
     with pytest.raises(ValueError, match="microbatches=0 must be a positive integer"):
         PipelineConfig(size=2, microbatches=0)
     with pytest.raises(ValueError, match="stage=3. cannot be combined with pipeline parallelism"):

@@ -32,6 +32,9 @@ class GPTConfig:
     n_embd: int = 128
     """Width of the residual stream; must divide evenly into ``n_head`` heads."""
     dropout: float = 0.0
+    tie_embeddings: bool = True
+    """``lm_head`` reuses the token embedding's weight; a pipeline puts them on different
+    stages, which cannot share a parameter: set False there."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -110,12 +113,37 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class TokenAndPositionEmbedding(nn.Module):
+    """The pipeline's first layer: token + position embedding, over the GPT's own ``wte``,
+    ``wpe`` and ``drop`` (a wrapper made for ``pipeline_layers``, not registered on the GPT, so
+    parameter names stay ``wte.weight``...)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, idx: Tensor) -> Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class OutputHead(nn.Module):
+    """The pipeline's last layer: the final LayerNorm and ``lm_head``."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
 class GPT(LightningModule):
     """Character-level GPT trained with AdamW and a warmup + cosine learning-rate schedule.
 
     Args:
         vocab_size: distinct tokens; the CLI links it from the data module.
-        block_size, n_layer, n_head, n_embd, dropout: see ``GPTConfig``.
+        block_size, n_layer, n_head, n_embd, dropout, tie_embeddings: see ``GPTConfig``.
         lr: peak learning rate, reached at the end of warmup.
         weight_decay: applied to the >=2-D weights only (see ``configure_optimizers``).
         betas: AdamW's moment decay rates.
@@ -132,6 +160,7 @@ class GPT(LightningModule):
         n_head: int = 4,
         n_embd: int = 128,
         dropout: float = 0.0,
+        tie_embeddings: bool = True,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.99),
@@ -154,6 +183,7 @@ class GPT(LightningModule):
             n_head=n_head,
             n_embd=n_embd,
             dropout=dropout,
+            tie_embeddings=tie_embeddings,
         )
         self._init_layers(self.config)
         self._init_weights()
@@ -167,7 +197,8 @@ class GPT(LightningModule):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying: one Parameter, two modules. Fewer parameters and, for a small model,
         # a better loss; also the case a ZeRO flat buffer must not count twice.
-        self.lm_head.weight = self.wte.weight
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
 
     def _init_weights(self) -> None:
         # GPT-2 init. Runs in __init__, after seed_everything, so every rank builds the same
@@ -211,6 +242,11 @@ class GPT(LightningModule):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The layers in forward order, for pipeline parallelism (``ZeroConfig(pipeline=...)``)."""
+        return [TokenAndPositionEmbedding(self.wte, self.wpe, self.drop), *self.blocks,
+                OutputHead(self.ln_f, self.lm_head)]
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch

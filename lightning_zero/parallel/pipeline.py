@@ -2,7 +2,8 @@
 
 [Note: pipeline stages]
 The model hands over its layers in order (``pipeline_layers()``: e.g. the embedding, each block,
-the head), such that running them one after the other is its forward. They are split into
+the head), such that running them one after the other is its forward. A layer is a registered
+submodule, or a small wrapper over registered ones (token + position embedding), named after them. They are split into
 ``size * stages_per_rank`` contiguous stages (at ``split_points``, or by parameter count), and
 every rank keeps only the layers of its own stages: the others are replaced by ``nn.Identity`` in
 the module, so parameter names (and checkpoint keys) stay those of the whole model, and the ZeRO
@@ -87,16 +88,29 @@ def pipeline_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
                 " (e.g. `*self.blocks`)."
             )
         name = names.get(id(layer)) if isinstance(layer, nn.Module) else None
+        if not name and isinstance(layer, nn.Module):
+            # A wrapper made for the pipeline (e.g. token + position embedding) over registered
+            # modules: named by them, and those are what a rank without it drops.
+            parts = _registered_parts(layer, names)
+            name = "+".join(parts) if parts else None
         if not name:
             raise PipelineError(
                 f"{type(module).__name__}.pipeline_layers()[{index}] ({type(layer).__name__}) is not a submodule of"
-                " the module: each layer must be registered on it (an attribute or an entry of an nn.ModuleList)"
-                " so that its parameters keep their names."
+                " the module: each layer must be registered on it (an attribute or an entry of an nn.ModuleList),"
+                " or wrap modules that are, so that its parameters keep their names."
             )
         named.append((name, layer))
     if len({name for name, _ in named}) != len(named):
         raise PipelineError(f"{type(module).__name__}.pipeline_layers() lists a layer twice.")
     return named
+
+
+def _registered_parts(layer: nn.Module, names: dict[int, str]) -> list[str]:
+    """The names of an unregistered wrapper's children that are registered in the module; []
+    unless every parameter of the wrapper lies in them."""
+    parts = [(names[id(child)], child) for child in layer.children() if id(child) in names]
+    inside = {param for _, child in parts for param in child.parameters()}
+    return [name for name, _ in parts] if parts and all(p in inside for p in layer.parameters()) else []
 
 
 def _numel(layer: nn.Module) -> int:
@@ -398,7 +412,8 @@ class PipelineRunner:
         if self.inferring or self._loss_fn is None:
             return _inference_loss(output)
         index = int(target.reshape(-1)[0]) // self._microbatch_size
-        return self._loss_fn(output, index)
+        with self._timed("L"):  # the last stage's loss (the user's step) is compute too
+            return self._loss_fn(output, index)
 
     # ---------------------------------------------------------------- steps
     def train_step(self, inputs: Any, batch_size: int, loss_fn: LossFn) -> None:
@@ -492,7 +507,8 @@ def build_pipeline(module: nn.Module, config: PipelineConfig, group: dist.Proces
     runner = PipelineRunner(mine, config, group, device)
     for name, _ in layers:
         if name not in runner.layer_names:
-            _replace(module, name, nn.Identity())
+            for part in name.split("+"):  # a wrapper's registered modules (see pipeline_layers)
+                _replace(module, part, nn.Identity())
     _SPLIT[module] = (config, rank, mine)
     return runner
 
