@@ -68,6 +68,17 @@ class LogRecorder:
                     f"self.log({name!r}, reduce_fx={reduce_fx!r}) under pipeline parallelism: the micro-batches' values"
                     " are combined with reduce_fx, which must be one of 'mean', 'sum', 'max', 'min'."
                 )
+            unsendable = [key for key, option in kwargs.items()
+                          if key != "reduce_fx" and not isinstance(option, (bool, int, float, str, type(None)))]
+            if unsendable:
+                raise PipelineError(
+                    f"self.log({name!r}, ..., {', '.join(f'{key}=...' for key in unsendable)}) under pipeline parallelism:"
+                    " what the last stage logs is sent to the other stages, and only plain options (prog_bar,"
+                    " on_step, sync_dist, batch_size, ...) can be sent. Drop those options."
+                )
+            if callable(reduce_fx):  # torch.mean and friends travel by name
+                kwargs = {**kwargs, "reduce_fx": next(key for key, fn in _REDUCERS.items()
+                                                      if isinstance(key, str) and fn is _REDUCERS[reduce_fx])}
             tensor = torch.as_tensor(value).detach().float().cpu()
             self.values.setdefault(name, []).append(tensor)
             self.kwargs[name] = kwargs
@@ -148,18 +159,19 @@ class PipelineSteps:
         self.runner = runner
 
     def _inputs(self, module: pl.LightningModule, batch: Any) -> Any:
-        if not self.runner.is_first:
-            return None
+        # On every rank: the others read only its shapes, so that all ranks rebuild the stages
+        # for a new input shape together (see PipelineRunner.train_step).
         custom = getattr(module, "pipeline_input", None)
         return custom(batch) if callable(custom) else default_pipeline_input(batch)
 
-    def training_step(self, module: pl.LightningModule, batch: Any, batch_idx: int, loss_multiplier: float,
+    def training_step(self, module: pl.LightningModule, batch: Any, rest: tuple[Any, ...], loss_multiplier: float,
                       run: Callable[[Callable[[], None]], None]) -> dict[str, Tensor]:
-        """One batch's forward and backward; ``run`` wraps the schedule (the engine's no_sync)."""
+        """One batch's forward and backward; ``rest`` are the step's other arguments as Lightning
+        passed them (``batch_idx`` if it takes one); ``run`` wraps the schedule (the engine's no_sync)."""
         runner = self.runner
         size = batch_size_of(batch)
-        microbatches = runner.config.num_microbatches
-        pieces = split_batch(batch, microbatches, size) if runner.is_last and size % microbatches == 0 else []
+        microbatches = runner.microbatches_for(size, train=True)
+        pieces = split_batch(batch, microbatches, size) if runner.is_last else []
         recorder = LogRecorder()
         losses: list[Tensor] = []
         failures: list[BaseException] = []
@@ -171,7 +183,7 @@ class PipelineSteps:
                 return _zero_loss(output)
             try:
                 with forward_returns(module, output, "training_step"), recorder.capturing(module):
-                    loss = _loss_of(module.training_step(pieces[index], batch_idx), module)
+                    loss = _loss_of(module.training_step(pieces[index], *rest), module)
             except Exception as error:  # noqa: BLE001 - re-raised on every rank below
                 failures.append(error)
                 return _zero_loss(output)
@@ -185,9 +197,17 @@ class PipelineSteps:
         self._log(module, logged)
         return {"loss": torch.tensor(mean, device=runner.device)}
 
-    def eval_step(self, module: pl.LightningModule, hook: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
+    def eval_step(self, module: pl.LightningModule, hook: str, batch: Any, *rest: Any) -> Any:
         """Validation/test/predict: the pipeline forward only, then the user's step on the last stage."""
         runner = self.runner
+        if runner.config.schedule == "zbv_zero_bubble":
+            # every rank alike, before any stage runs
+            raise PipelineError(
+                f"{hook} under PipelineConfig(schedule='zbv_zero_bubble'): torch has no forward-only schedule for the"
+                " V placement of stages (its ZBV schedule always runs backward actions). Use"
+                " schedule='interleaved_zero_bubble' (zero bubble too, with looped stages), or skip evaluation"
+                " (limit_val_batches=0, num_sanity_val_steps=0)."
+            )
         output = runner.eval_step(self._inputs(module, batch), batch_size_of(batch))
         recorder = LogRecorder()
         result = None
@@ -195,7 +215,7 @@ class PipelineSteps:
         if runner.is_last:
             try:
                 with forward_returns(module, output, hook), recorder.capturing(module):
-                    result = getattr(module, hook)(batch, batch_idx, *rest)
+                    result = getattr(module, hook)(batch, *rest)
             except Exception as error:  # noqa: BLE001 - re-raised on every rank below
                 failures.append(error)
         _, logged = self._from_last_stage(0.0, recorder, failures, hook)

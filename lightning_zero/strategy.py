@@ -339,7 +339,10 @@ class ZeroStrategy(ParallelStrategy):
     def _mesh_placement(self) -> MeshPlacement | None:
         """Where this rank's pieces lie in a checkpoint's global tensors (see [Note: checkpoint
         layout with a mesh]); None without a mesh."""
-        return self._parallel.placement(self.global_rank, self._tensor_parallel) if self._parallel is not None else None
+        if self._parallel is None:
+            return None
+        key_order = self._pipeline.key_order if self._pipeline is not None else ()
+        return self._parallel.placement(self.global_rank, self._tensor_parallel, key_order)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -409,7 +412,9 @@ class ZeroStrategy(ParallelStrategy):
                 )
             return
         tensor = self._parallel.dims.tensor
-        if not TensorParallelParams.has_dtensors(module):
+        # A module an earlier pipelined run split holds one stage: it may have no split layer.
+        split_by_pipeline = is_split(module)
+        if not TensorParallelParams.has_dtensors(module) and not split_by_pipeline:
             raise ValueError(
                 f"ZeroConfig.parallel.tensor={tensor} but the model has no tensor-parallel parameters: apply a plan in"
                 " configure_model, e.g. lightning_zero.parallel.parallelize_gpt(self, self.device_mesh['tensor']) or"
@@ -430,13 +435,20 @@ class ZeroStrategy(ParallelStrategy):
             materialize_tensor_parallel(module, self.root_device, _reset_parameters)
         self._tensor_parallel = TensorParallelParams(module, self._parallel.tensor_mesh)
         # The local parts must agree too (a rank that applied another plan would shard other shapes).
-        check_same_model(module, self.collectives)
+        if not split_by_pipeline:
+            check_same_model(module, self.collectives)
 
     def _setup_pipeline(self, module: Module) -> None:
         """Keeps this rank's pipeline stages of the module (see [Note: pipeline stages])."""
         self._pipeline = None
         config = self.config.pipeline
         if not config.enabled:
+            if is_split(module):
+                raise ValueError(
+                    f"This {type(module).__name__} was split into pipeline stages by an earlier run and holds one"
+                    " rank's layers only; it cannot run without a pipeline. Build a new module and load the"
+                    " checkpoint into it (sharded checkpoints hold the whole model)."
+                )
             return
         assert self._parallel is not None and self._parallel.pipeline_group is not None
         trainer = module._trainer
@@ -640,23 +652,25 @@ class ZeroStrategy(ParallelStrategy):
             if self._engine is not None:
                 self._engine.free_idle()
 
-    def _pipeline_training_step(self, batch: Any, batch_idx: int = 0, *rest: Any, **kwargs: Any) -> Any:
+    def _pipeline_training_step(self, batch: Any, *rest: Any, **kwargs: Any) -> Any:
         """Forward and backward of every micro-batch through the schedule (see [Note: Lightning
         steps in a pipeline]); each gradient accumulates locally and the optimizer step reduces it
         once (see [Note: pipeline stages])."""
-        if rest or kwargs:
-            raise TypeError("Under pipeline parallelism training_step takes (batch, batch_idx) only.")
+        if kwargs:
+            raise TypeError("Under pipeline parallelism training_step takes its arguments by position.")
         module = self.lightning_module
         assert module is not None and self._pipeline is not None
         engine = self._require_engine()
         precision = self.precision_plugin
         assert isinstance(precision, ZeroPrecision)
-        (batch, batch_idx), _ = precision.convert_input(((batch, batch_idx), {}))
+        (batch, *rest), _ = precision.convert_input(((batch, *rest), {}))
         trainer = module._trainer
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         scale = precision.loss_scaler.scale if precision.loss_scaler is not None else 1.0
         if not self._in_no_sync:
             self._synced_backwards += 1
+        # Lightning's window rule, with its batch index (training_step may not take one)
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx if trainer is not None else 0
         if trainer is not None and batch_idx % accumulate == 0:
             # the first batch of an accumulation window starts from zero gradients (see _defer_zero_grad)
             for optimizer in trainer.optimizers:
@@ -672,7 +686,7 @@ class ZeroStrategy(ParallelStrategy):
                 finally:
                     engine.close_backward()
 
-        return PipelineSteps(self._pipeline).training_step(module, batch, batch_idx, scale / accumulate, run)
+        return PipelineSteps(self._pipeline).training_step(module, batch, tuple(rest), scale / accumulate, run)
 
     def _pipeline_eval_step(self, hook: str, context: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
         if kwargs or len(args) < 1:
@@ -680,9 +694,8 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None and self._pipeline is not None
         args, _ = self.precision_plugin.convert_input((args, {}))
-        batch, batch_idx, *rest = (*args, 0) if len(args) == 1 else args
         with context():
-            return PipelineSteps(self._pipeline).eval_step(module, hook, batch, batch_idx, *rest)
+            return PipelineSteps(self._pipeline).eval_step(module, hook, args[0], *args[1:])
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -881,6 +894,8 @@ class ZeroStrategy(ParallelStrategy):
                 checkpoint["optimizer_states"] = []  # already in place; Lightning only checks the key
         else:
             checkpoint = load_full_checkpoint(path)
+            if self._pipeline is not None:  # on the global tensors, before any tensor-parallel cut
+                checkpoint = self._this_stage_of_full_checkpoint(path, checkpoint, fitting)
             if self._tensor_parallel is not None:
                 # A whole checkpoint (DDP's, an export): every rank takes its tensor-parallel part.
                 checkpoint["state_dict"] = self._tensor_parallel.local_state_dict(module, checkpoint["state_dict"])
@@ -891,8 +906,6 @@ class ZeroStrategy(ParallelStrategy):
                         for state, optimizer in zip(states, self.zero_optimizers)
                     ]
             pieces = self._model_pieces()
-            if self._pipeline is not None:
-                checkpoint = self._this_stage_of_full_checkpoint(path, checkpoint, fitting)
             check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading, pieces=pieces)
             has_optimizer_state = "optimizer_states" in checkpoint
             if fitting and has_optimizer_state:
@@ -908,9 +921,8 @@ class ZeroStrategy(ParallelStrategy):
         checked, and this rank keeps its own stage's."""
         module = self.lightning_module
         assert module is not None
-        view = model_view(module, (), self._model_pieces(), self._mesh_placement())
-        check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading,
-                              pieces=self._model_pieces(), view=view)
+        view = model_view(module, (), self._model_pieces(), self._mesh_placement())  # global shapes
+        check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading, view=view)
         if fitting and "optimizer_states" in checkpoint:
             raise CheckpointError(
                 f"{path} is a whole-model checkpoint with torch-format optimizer state, which indexes parameters by"

@@ -182,7 +182,9 @@ def _four_rank_cases(tmp: str) -> dict[str, Any]:
     out["pp2_zero2_offload"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4),
                                                offload_optimizer=CPUOffloadPolicy()))
     out["interleaved"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4, stages_per_rank=2,
-                                                                schedule="interleaved_1f1b")))
+                                                                schedule="interleaved_1f1b")),
+                              save=os.path.join(tmp, "interleaved.ckpt"))
+    out["interleaved_ckpt"] = os.path.join(tmp, "interleaved.ckpt")
     out["interleaved_zb"] = _run(ZeroConfig(stage=2, pipeline=pipe(size=2, microbatches=4, stages_per_rank=2,
                                                                    schedule="interleaved_zero_bubble")))
     out["zbv"] = _run(ZeroConfig(stage=1, pipeline=pipe(size=2, microbatches=4, stages_per_rank=2,
@@ -252,7 +254,7 @@ def reference(steps_batches: list[list[tuple[Tensor, Tensor]]], accumulate: int 
         per_rank = [nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()) for x, y in ranks]
         loss = torch.stack(per_rank).mean()
         (loss / accumulate).backward()
-        losses.append(float(per_rank[0]))
+        losses.append(float(per_rank[0].detach()))
         if (index + 1) % accumulate == 0:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -301,6 +303,18 @@ def test_pipeline_ranks_run_their_stages(four: list[dict[str, Any]]) -> None:
     stage0 = set(four[0]["pp2_zero1"]["params"])
     stage1 = set(four[2]["pp2_zero1"]["params"])
     assert not stage0 & stage1 and "embed.weight" in stage0 and "head.weight" in stage1
+
+
+def test_interleaved_checkpoint_lists_the_model_in_its_own_order(four: list[dict[str, Any]]) -> None:
+    """Rank 0 holds stages 0 and 2: the meta still lists keys and each param group's parameters
+    in the model's order, as a consolidated torch-format export numbers them."""
+    from lightning_zero.checkpoint.sharded import read_meta, read_metadata, resolve_checkpoint_path
+
+    path = resolve_checkpoint_path(four[0]["interleaved_ckpt"])
+    meta = read_meta(path, read_metadata(path))
+    model = new_model()
+    assert meta.model_keys == list(model.state_dict())
+    assert meta.optimizers[0]["param_groups"][0]["params"] == [name for name, _ in model.named_parameters()]
 
 
 def test_pipeline_with_tensor_parallel_matches_one_process(four: list[dict[str, Any]]) -> None:
@@ -408,9 +422,44 @@ def _idle_fractions(schedule: str, stages_per_rank: int, microbatches: int, step
     batch = torch.randn(microbatches * ROWS, WIDE)
     fractions = []
     for _ in range(steps):
-        runner.train_step(batch if runner.is_first else None, batch.shape[0], lambda out, i: out.square().mean())
+        runner.train_step(batch, batch.shape[0], lambda out, i: out.square().mean())
         fractions.append(runner.timing.idle_fraction)
     return min(fractions[1:])  # the least disturbed steady-state step
+
+
+class NoIndexNet(PipeNet):
+    """training_step without batch_idx: Lightning passes only the batch."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor]) -> Tensor:  # type: ignore[override]
+        return super().training_step(batch, 0)
+
+
+def crop_collate(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Every other batch is 6 tokens long instead of 8: the shapes between stages change."""
+    tokens = torch.stack([x for x, _ in samples])
+    targets = torch.stack([y for _, y in samples])
+    length = 6 if int(tokens[0, 0]) % 2 else 8
+    return tokens[:, :length], targets[:, :length]
+
+
+class ViewOutput(nn.Module):
+    """A layer whose output is a view (a Linear over a 3-d input)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+class ViewNet(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ViewOutput(width) for _ in range(4))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
 
 
 class FailingNet(PipeNet):
@@ -428,11 +477,52 @@ def _two_rank_cases() -> dict[str, Any]:
     out["gpipe"] = _run(ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=2, schedule="gpipe")))
     out["idle_1f1b"] = _idle_fractions("1f1b", 1, 4, steps=3)
     out["idle_zbv"] = _idle_fractions("zbv_zero_bubble", 2, 4, steps=3)
-    # A batch the micro-batches do not divide fails on both ranks alike, before any stage runs.
+    # A batch no micro-batch count fits (1f1b needs 2 or more at pp2; 7 samples split only as 1 or 7)
+    # fails on both ranks alike, before any stage runs.
     module = new_model()
     with launched_environment():
-        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=3))), 2)
-        out["indivisible"] = _error(lambda: trainer.fit(module, train_dataloaders=train_loader(BATCH)))
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=4))), 2)
+        out["indivisible"] = _error(lambda: trainer.fit(module, train_dataloaders=train_loader(7)))
+    # Short last batches: 22 samples in batches of 8 (the last one 6: 3 micro-batches of 2, not 4),
+    # and a validation set of 10 (the last batch 2).
+    module = new_model()
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=2, pipeline=PipelineConfig(size=2, microbatches=4))), 3)
+        trainer.fit(module, train_dataloaders=DataLoader(token_data(22), batch_size=BATCH),
+                    val_dataloaders=DataLoader(token_data(10, seed=1), batch_size=BATCH))
+    out["short"] = {"params": {name: p.detach().clone() for name, p in module.named_parameters()},
+                    "batches": module.batches, "val_loss": float(trainer.callback_metrics["val_loss"])}
+    # training_step(self, batch) with accumulation: the window's first batch zeroes the gradients.
+    torch.manual_seed(0)
+    out["no_index"] = _run(ZeroConfig(stage=2, pipeline=PipelineConfig(size=2, microbatches=4)), steps=2,
+                           module=NoIndexNet(), accumulate_grad_batches=2)
+    # Batches of two sequence lengths: every rank builds the stages for a new shape together.
+    module = new_model()
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=2))), 4)
+        trainer.fit(module, train_dataloaders=DataLoader(token_data(SAMPLES), batch_size=BATCH,
+                                                         collate_fn=crop_collate))
+    out["cropped"] = {"params": {name: p.detach().clone() for name, p in module.named_parameters()},
+                      "batches": module.batches}
+    # The zero-bubble input backward detaches stage outputs in place: a view output is copied.
+    torch.manual_seed(0)
+    runner = build_pipeline(ViewNet(), PipelineConfig(size=2, schedule="zbv_zero_bubble", stages_per_rank=2,
+                                                      microbatches=2), dist.new_group([0, 1]), torch.device("cpu"))
+    runner.train_step(torch.randn(4, 3, 8), 4, lambda output, index: output.square().mean())
+    out["view_outputs"] = "ran"
+    # Evaluation under the V schedule is refused on every rank alike (torch has no forward-only V).
+    zbv = ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=2, stages_per_rank=2,
+                                                                          schedule="zbv_zero_bubble")))
+    with launched_environment():
+        out["zbv_eval"] = _error(lambda: _trainer(zbv, 1).validate(new_model(), DataLoader(token_data(16), batch_size=8),
+                                                                   verbose=False))
+    # A module split by a pipelined run cannot then run without a pipeline.
+    split = new_model()
+    with launched_environment():
+        _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2))), 1).fit(
+            split, train_dataloaders=train_loader())
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1)), 1)
+        out["split_reused"] = _error(lambda: trainer.fit(split, train_dataloaders=train_loader()))
     # An error in the user's step on the last stage: every rank raises it, none waits for gradients.
     torch.manual_seed(0)
     failing = FailingNet()
@@ -461,6 +551,43 @@ def test_pp2_matches_one_process(two: list[dict[str, Any]], case: str) -> None:
     assert two[0][case]["losses"] == two[1][case]["losses"]
 
 
+def test_training_step_without_batch_idx_accumulates(two: list[dict[str, Any]]) -> None:
+    _, expected = reference(sampler_batches(1, 4), accumulate=2)
+    assert_weights(whole_model(two, "no_index"), expected, "no_index")
+
+
+def test_changing_shapes_rebuild_the_stages_on_every_rank(two: list[dict[str, Any]]) -> None:
+    cropped = two[0]["cropped"]
+    assert {x.shape[1] for x, _ in cropped["batches"]} == {6, 8}
+    _, expected = reference([[batch] for batch in cropped["batches"]])
+    assert_weights(whole_model(two, "cropped"), expected, "cropped")
+
+
+def test_zero_bubble_copies_view_outputs(two: list[dict[str, Any]]) -> None:
+    assert [rank["view_outputs"] for rank in two] == ["ran", "ran"]
+
+
+def test_refusals_on_every_rank(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        assert "no forward-only schedule for the V placement" in rank["zbv_eval"]
+        assert "was split into pipeline stages by an earlier run" in rank["split_reused"]
+
+
+def test_short_last_batches_run_as_fewer_micro_batches(two: list[dict[str, Any]]) -> None:
+    short = two[0]["short"]
+    assert [len(x) for x, _ in short["batches"]] == [8, 8, 6]
+    _, expected = reference([[batch] for batch in short["batches"]])
+    assert_weights(whole_model(two, "short"), expected, "short")
+    model = new_model()
+    model.load_state_dict(expected)
+    tokens, targets = token_data(10, seed=1).tensors
+    with torch.no_grad():
+        losses = [nn.functional.cross_entropy(model(tokens[a:b]).flatten(0, 1), targets[a:b].flatten()) for a, b in
+                  ((0, 8), (8, 10))]
+    expected_val = (8 * float(losses[0]) + 2 * float(losses[1])) / 10  # Lightning weighs by batch size
+    assert [rank["short"]["val_loss"] for rank in two] == pytest.approx([expected_val] * 2, abs=1e-5)
+
+
 def test_bubble_is_near_theory_and_zero_bubble_is_lower(two: list[dict[str, Any]]) -> None:
     """Per-rank idle time within a step, from timing each F/B/W action: 1F1B with p=2, m=4
     idles (p-1)/(m+p-1) = 0.2 of the step (plus the time activations take to pass); the V
@@ -478,7 +605,7 @@ def test_bad_batches_fail_on_every_rank(two: list[dict[str, Any]]) -> None:
     assert two[0]["user_error"].startswith("PipelineError: training_step failed on the last pipeline stage (global rank 1)")
     assert "the user's loss failed" in two[0]["user_error"]
     for rank in two:
-        assert "microbatches=3 does not divide the training batch size 8" in rank["indivisible"]
+        assert "microbatches=4 does not divide the training batch size 7" in rank["indivisible"]
         assert "tied weights" in rank["tied"] and "stage 0 and stage 1" in rank["tied"]
 
 
@@ -517,6 +644,12 @@ def test_bad_splits_are_refused_with_the_fix() -> None:
     stray.scale = nn.Parameter(torch.ones(1))
     with pytest.raises(PipelineError, match=r"\['scale'\] belong to no layer"):
         check_parameters_in_one_stage(stray, split_layers(pipeline_layers(stray), PipelineConfig(size=2)))
+    gelu = new_model(layers=2)
+    gelu.act = nn.GELU()
+    gelu.pipeline_layers = lambda: [gelu.embed, gelu.act, *gelu.blocks, gelu.head]  # type: ignore[method-assign]
+    with pytest.raises(PipelineError, match=r"stage 1 \(act\) has no trainable parameter"):
+        check_parameters_in_one_stage(gelu, split_layers(pipeline_layers(gelu), PipelineConfig(
+            size=3, split_points=("act", "blocks.0"))))
     with pytest.raises(PipelineError, match="has no pipeline_layers"):
         pipeline_layers(nn.Linear(2, 2))
     with pytest.raises(PipelineError, match="microbatches=3 does not divide the training batch size 8"):

@@ -79,8 +79,15 @@ class MeshPlacement:
     tensor_rank: int
     first_replica: bool
     tensor: TensorParallelParams | None = None
-    # The ranks of this rank's pipeline, one per stage (see [Note: checkpoint layout with a pipeline]).
+    # The ranks of this rank's pipeline, one per stage (see [Note: checkpoint layout with a pipeline]),
+    # and the whole model's state-dict keys in its own order, which merged lists follow.
     pipeline_group: dist.ProcessGroup | None = None
+    key_order: tuple[str, ...] = ()
+
+    def in_model_order(self, names: list[str]) -> list[str]:
+        """``names`` (gathered stage by stage) in the whole model's order."""
+        position = {name: index for index, name in enumerate(self.key_order)}
+        return sorted(names, key=lambda name: position.get(name, len(position)))
 
     @property
     def leader(self) -> bool:
@@ -184,9 +191,10 @@ def model_view(module: nn.Module, optimizers: Sequence[ShardedOptimizer], pieces
     if placement is None or placement.pipeline_group is None:
         return view
     stages = placement.across_stages(view)
-    keys = list(dict.fromkeys(key for stage in stages for key in stage.keys))
+    keys = placement.in_model_order(list(dict.fromkeys(key for stage in stages for key in stage.keys)))
     groups = [description["param_groups"] for description in _merged_descriptions(
-        [[{"param_groups": groups, "per_element": []} for groups in stage.param_groups] for stage in stages])]
+        [[{"param_groups": groups, "per_element": []} for groups in stage.param_groups] for stage in stages],
+        placement)]
     return ModelView(
         keys=keys,
         shapes={k: v for stage in stages for k, v in stage.shapes.items()},
@@ -368,7 +376,7 @@ def sharded_state(
     view = model_view(module, (), placement=placement)
     descriptions = [description for _, description in optimizers]
     if placement is not None and placement.pipeline_group is not None:
-        descriptions = _merged_descriptions(placement.across_stages(descriptions))
+        descriptions = _merged_descriptions(placement.across_stages(descriptions), placement)
     if rank_of(group) == 0:
         meta = CheckpointMeta(
             world_size=world_size,
@@ -384,16 +392,16 @@ def sharded_state(
     return state
 
 
-def _merged_descriptions(stages: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def _merged_descriptions(stages: list[list[dict[str, Any]]], placement: MeshPlacement) -> list[dict[str, Any]]:
     """Every stage's optimizer descriptions as one per optimizer: the param groups list the
-    parameters of all stages."""
+    parameters of all stages, in the whole model's order (a consolidated export numbers them so)."""
     merged = []
     for per_stage in zip(*stages):
         first = dict(per_stage[0])
         first["param_groups"] = []
         for groups in zip(*(description["param_groups"] for description in per_stage)):
             group = dict(groups[0])
-            group["params"] = [name for stage_group in groups for name in stage_group["params"]]
+            group["params"] = placement.in_model_order([name for stage_group in groups for name in stage_group["params"]])
             first["param_groups"].append(group)
         first["per_element"] = sorted({key for description in per_stage for key in description["per_element"]})
         merged.append(first)

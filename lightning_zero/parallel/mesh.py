@@ -194,14 +194,15 @@ class ParallelGroups:
     pipeline_group: dist.ProcessGroup | None = None  # this rank's pipeline: one rank of every stage
     stage_group: dist.ProcessGroup | None = None  # every rank of this rank's pipeline stage (None: the world)
 
-    def placement(self, global_rank: int, tensor_parallel: TensorParallelParams | None) -> MeshPlacement:
+    def placement(self, global_rank: int, tensor_parallel: TensorParallelParams | None,
+                  key_order: tuple[str, ...] = ()) -> MeshPlacement:
         """Where this rank's pieces lie among every rank's in a checkpoint's global tensors."""
         replica, shard_rank, tensor_rank = self.dims.coordinates(global_rank)
         stage = self.dims.pipeline_rank(global_rank)
         holders = tuple(tuple(self.dims.rank_of(replica, s, t, stage) for s in range(self.dims.shard))
                         for t in range(self.dims.tensor))
         return MeshPlacement(rank=shard_rank, holders=holders, tensor_rank=tensor_rank, first_replica=replica == 0,
-                             tensor=tensor_parallel, pipeline_group=self.pipeline_group)
+                             tensor=tensor_parallel, pipeline_group=self.pipeline_group, key_order=key_order)
 
     def describe(self, tensor_parallel: TensorParallelParams | None) -> dict[str, Any]:
         """What a checkpoint records of the mesh: the sizes and each split parameter's placement."""

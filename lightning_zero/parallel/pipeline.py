@@ -182,16 +182,25 @@ def stage_indices(rank: int, config: PipelineConfig) -> list[int]:
 
 
 class StageModule(nn.Module):
-    """One stage: its layers, called in order (a layer's tuple output is the next one's arguments)."""
+    """One stage: its layers, called in order (a layer's tuple output is the next one's arguments).
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    ``own_outputs``: outputs that are views are copied, because torch's zero-bubble input backward
+    detaches a stage's outputs in place, which a view does not allow."""
+
+    def __init__(self, layers: Sequence[nn.Module], own_outputs: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.own_outputs = own_outputs
 
     def forward(self, *args: Any) -> Any:
         value: Any = args
         for layer in self.layers:
             value = layer(*value) if isinstance(value, tuple) else layer(value)
+        if self.own_outputs:
+            if isinstance(value, Tensor) and value._is_view():
+                return value.clone()
+            if isinstance(value, tuple):
+                return tuple(v.clone() if isinstance(v, Tensor) and v._is_view() else v for v in value)
         return value
 
 
@@ -216,6 +225,13 @@ def check_parameters_in_one_stage(module: nn.Module, stages: Sequence[Sequence[t
                         " parameters. Untie them (give the head its own weight), or choose split_points that keep"
                         " both layers in one stage."
                     )
+    for index, layers in enumerate(stages):
+        if not any(param.requires_grad for _, layer in layers for param in layer.parameters()):
+            raise PipelineError(
+                f"Pipeline stage {index} ({', '.join(name for name, _ in layers)}) has no trainable parameter: its"
+                " ranks would have nothing to optimize. Choose split_points that give every stage a layer with"
+                " parameters, or fewer stages."
+            )
     outside = [name for name, param in module.named_parameters() if param not in stage_of]
     if outside:
         raise PipelineError(
@@ -364,7 +380,11 @@ class PipelineRunner:
         if sorted(stages) != sorted(self.indices):
             raise PipelineError(f"Pipeline rank {self.rank} runs stages {self.indices} but was given {sorted(stages)}.")
         self.stages = {index: list(stages[index]) for index in self.indices}
-        self.modules = [StageModule([layer for _, layer in stages[index]]) for index in self.indices]
+        zero_bubble = "zero_bubble" in config.schedule
+        self.modules = [StageModule([layer for _, layer in stages[index]],
+                                    own_outputs=zero_bubble and index != config.num_stages - 1)
+                        for index in self.indices]
+        self.key_order: tuple[str, ...] = ()  # the whole model's state-dict keys, in its order (build_pipeline)
         self.layer_names = {name for index in self.indices for name, _ in stages[index]}
         self.is_first = 0 in self.indices
         self.is_last = config.num_stages - 1 in self.indices
@@ -376,10 +396,41 @@ class PipelineRunner:
         self._microbatch_size = 1
 
     # ---------------------------------------------------------------- schedules
-    def _schedule(self, key: tuple[Any, ...], train: bool) -> tuple[list[_TimedStage], Any]:
+    def microbatches_for(self, batch_size: int, train: bool) -> int:
+        """How many micro-batches a batch of ``batch_size`` runs as: the configured count, or for a
+        batch it does not divide (a short last batch) the largest smaller count that divides it
+        and that the schedule accepts. Every rank of a pipeline reads the same batch, so they
+        agree. A PipelineError names a batch no count fits."""
+        wanted = self.config.num_microbatches
+        for count in range(min(wanted, batch_size), 0, -1):
+            if batch_size % count == 0 and self._accepts(count, train):
+                return count
+        check_microbatches(batch_size, wanted, "training" if train else "evaluation")
+        raise PipelineError(
+            f"No micro-batch count up to {wanted} splits the {'training' if train else 'evaluation'} batch of"
+            f" {batch_size} into equal parts that schedule {self.config.schedule!r} accepts (1f1b needs at least"
+            f" {self.config.num_stages}). Use a batch size that is a multiple of {wanted}, or drop_last=True."
+        )
+
+    def _accepts(self, count: int, train: bool) -> bool:
+        schedule = self._schedule_name(train)
+        if schedule == "1f1b":
+            return count >= self.config.num_stages
+        if schedule.startswith("interleaved"):
+            return count % max(1, count // self.config.size) == 0
+        return True
+
+    def _schedule_name(self, train: bool) -> str:
+        # Forward only, one stage per rank: GPipe, which takes any micro-batch count (1F1B needs
+        # one per stage) and runs the same forwards.
+        if not train and self.config.schedule in _SINGLE_STAGE:
+            return "gpipe"
+        return self.config.schedule
+
+    def _schedule(self, key: tuple[Any, ...], microbatches: int, train: bool) -> tuple[list[_TimedStage], Any]:
         """The stages and schedule for micro-batches of this shape (torch fixes the shapes that
         pass between stages at the first step: a new shape gets new stages)."""
-        built = self._built.get((key, train))
+        built = self._built.get((key, microbatches, train))
         if built is not None:
             return built
         stages = []
@@ -387,19 +438,19 @@ class PipelineRunner:
             stage = _TimedStage(module, index, self.config.num_stages, self.device, group=self.group)
             stage.runner = self
             stages.append(stage)
-        schedule_class = SCHEDULE_CLASSES[self.config.schedule]
+        schedule_class = SCHEDULE_CLASSES[self._schedule_name(train)]
         loss_fn = self._schedule_loss if train else None
         try:
             if self.config.schedule in _SINGLE_STAGE:
-                schedule = schedule_class(stages[0], self.config.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+                schedule = schedule_class(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
             else:
-                schedule = schedule_class(stages, self.config.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+                schedule = schedule_class(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
         except (ValueError, AssertionError) as error:
             raise PipelineError(
                 f"torch's {schedule_class.__name__} refuses PipelineConfig(size={self.config.size},"
-                f" microbatches={self.config.num_microbatches}, stages_per_rank={self.config.stages_per_rank}): {error}"
+                f" microbatches={microbatches}, stages_per_rank={self.config.stages_per_rank}): {error}"
             ) from error
-        self._built[(key, train)] = (stages, schedule)
+        self._built[(key, microbatches, train)] = (stages, schedule)
         return stages, schedule
 
     @property
@@ -418,12 +469,14 @@ class PipelineRunner:
     # ---------------------------------------------------------------- steps
     def train_step(self, inputs: Any, batch_size: int, loss_fn: LossFn) -> None:
         """Forward and backward of one batch through every micro-batch (a collective over the
-        pipeline group): ``inputs`` is the first stage's input (ignored on other stages) and
-        ``loss_fn`` runs on the last stage, once per micro-batch, in micro-batch order."""
-        check_microbatches(batch_size, self.config.num_microbatches, "training")
-        _, schedule = self._schedule(_shape_key(inputs), train=True)
+        pipeline group): ``inputs`` is the first stage's input, given on every rank (the others
+        only read its shapes: a new shape makes every rank build new stages together), and
+        ``loss_fn`` runs on the last stage, once per micro-batch (``microbatches_for`` of them),
+        in micro-batch order."""
+        microbatches = self.microbatches_for(batch_size, train=True)
+        _, schedule = self._schedule(_shape_key(inputs, batch_size), microbatches, train=True)
         self._loss_fn = loss_fn
-        self._microbatch_size = batch_size // self.config.num_microbatches
+        self._microbatch_size = batch_size // microbatches
         args = _as_args(inputs) if self.is_first else ()
         target = torch.arange(batch_size, device=self.device) if self.is_last else None
         self._begin_timing()
@@ -434,9 +487,10 @@ class PipelineRunner:
             self.timing.end = time.perf_counter()
 
     def eval_step(self, inputs: Any, batch_size: int) -> Any:
-        """Forward only; the last stage's output for the whole batch on the last stage, None elsewhere."""
-        check_microbatches(batch_size, self.config.num_microbatches, "evaluation")
-        _, schedule = self._schedule(_shape_key(inputs), train=False)
+        """Forward only (``inputs`` as for :meth:`train_step`); the last stage's output for the
+        whole batch on the last stage, None elsewhere."""
+        microbatches = self.microbatches_for(batch_size, train=False)
+        _, schedule = self._schedule(_shape_key(inputs, batch_size), microbatches, train=False)
         args = _as_args(inputs) if self.is_first else ()
         self._begin_timing()
         try:
@@ -473,14 +527,16 @@ def _as_args(inputs: Any) -> tuple[Any, ...]:
     return tuple(inputs) if isinstance(inputs, tuple) else (inputs,)
 
 
-def _shape_key(inputs: Any) -> tuple[Any, ...]:
-    return tuple((tuple(t.shape), t.dtype) for t in _tensors(inputs))
+def _shape_key(inputs: Any, batch_size: int) -> tuple[Any, ...]:
+    # Only the first stage has the inputs; every rank knows the batch size (the same batch).
+    return (batch_size, *((tuple(t.shape), t.dtype) for t in _tensors(inputs)))
 
 
 # Modules split by an earlier run, with the split: their other layers are gone, so a new split
 # (another fit, validate) must reuse this one.
-_SPLIT: weakref.WeakKeyDictionary[nn.Module, tuple[PipelineConfig, int, dict[int, list[tuple[str, nn.Module]]]]] = \
-    weakref.WeakKeyDictionary()
+_SPLIT: weakref.WeakKeyDictionary[
+    nn.Module, tuple[PipelineConfig, int, dict[int, list[tuple[str, nn.Module]]], tuple[str, ...]]
+] = weakref.WeakKeyDictionary()
 
 
 def build_pipeline(module: nn.Module, config: PipelineConfig, group: dist.ProcessGroup,
@@ -492,24 +548,28 @@ def build_pipeline(module: nn.Module, config: PipelineConfig, group: dist.Proces
     rank = dist.get_rank(group)
     previous = _SPLIT.get(module)
     if previous is not None:
-        old_config, old_rank, mine = previous
+        old_config, old_rank, mine, key_order = previous
         if old_config != config or old_rank != rank:
             raise PipelineError(
                 f"This {type(module).__name__} was split for {old_config} (as pipeline rank {old_rank}) by an earlier"
                 f" run and holds only that rank's layers; it cannot run as {config} (pipeline rank {rank}). Build a"
                 " new module (and load a checkpoint into it) for another pipeline layout."
             )
-        return PipelineRunner(mine, config, group, device)
+        runner = PipelineRunner(mine, config, group, device)
+        runner.key_order = key_order
+        return runner
     layers = pipeline_layers(module)
     stages = split_layers(layers, config)
     check_parameters_in_one_stage(module, stages)
     mine = {index: stages[index] for index in stage_indices(rank, config)}
     runner = PipelineRunner(mine, config, group, device)
+    # Before the split: checkpoints list keys and parameters in the whole model's order.
+    runner.key_order = tuple(module.state_dict(keep_vars=True))
     for name, _ in layers:
         if name not in runner.layer_names:
             for part in name.split("+"):  # a wrapper's registered modules (see pipeline_layers)
                 _replace(module, part, nn.Identity())
-    _SPLIT[module] = (config, rank, mine)
+    _SPLIT[module] = (config, rank, mine, runner.key_order)
     return runner
 
 

@@ -273,7 +273,9 @@ class ShardedOptimizer(Optimizer):
         self.collectives.all_reduce_step_flags(flags)
         flags = flags.cpu()
         had_grad = flags[:-1].bool()
-        return had_grad, bool(had_grad.any()) and bool(flags[-1])
+        # The overflow flag alone: under a pipeline another stage may have overflowed while this
+        # one got no gradient, and every stage's scaler must take the same decision.
+        return had_grad, bool(flags[-1])
 
     # ------------------------------------------------------------------ step
 
@@ -299,6 +301,8 @@ class ShardedOptimizer(Optimizer):
             self.loss_scaler.update(overflow=True)
             return loss
         if not bool(had_grad.any()):
+            if self.loss_scaler is not None and self.collectives.step_groups.pipeline is not None:
+                self.loss_scaler.update(overflow=False)  # as the stages that stepped do
             return loss
         self._run_optimizer(self.layout.trained_masters(had_grad))
         self._grad_coefficient = None
