@@ -20,9 +20,10 @@ on the same global batch (``--global-batch``) of random tokens:
   instead of ZeRO's gradient reduce-scatter and parameter all-gather over the whole model) and
   what each rank holds.
 
-The model is a small GPT defined here (token + position embedding as one layer, ``--n-layer``
-pre-LN blocks, final norm + head as one layer, untied head: a pipeline cannot tie weights across
-stages), with ``pipeline_layers()`` listing those layers in order. AdamW, fp32.
+The model is the demo GPT (examples/gpt/model.py: its ``pipeline_layers()`` list the token +
+position embedding as one layer, ``--n-layer`` pre-LN blocks, final norm + head as one layer),
+with ``tie_embeddings=False`` (a pipeline cannot tie weights across stages). AdamW with the demo's
+schedule, fp32.
 
 What the table shows, per row:
 
@@ -49,21 +50,19 @@ What the table shows, per row:
   theory (``(p - 1) / (v m + p - 1)`` with v stages per rank), ZB-V's near zero when forward,
   input-backward and weight-backward take equally long.
 
-What it showed on CPU with gloo (defaults, ``--repeats 3``; 2 cores with about half a core
-taken by other work, so the step times moved by +-30% between runs):
+What it showed on CPU with gloo (defaults, 2026-12-01, 2 cores, the demo GPT at 1.61 M parameters):
 
 - Model state per rank: pp2 0.75x of dp2, pp4 0.51x of dp4, not 0.5x and 0.25x: ZeRO-1 at dp2 /
   dp4 already shards the optimizer state, and a stage with one data-parallel rank still keeps
   ZeRO's fp32 master shard and fp32 gradient shard, each as large as the stage's parameters.
   ZB-V's first rank holds the embedding and the head (its V), +0.2 MiB.
-- Peak RSS is 0.88x-0.97x of dp: the interpreter, torch and lightning are most of it.
-- Idle fractions: at pp2 close to the 1F1B theory at m=4 (0.14-0.19 for 0.20) and above it at
-  m=8 (0.13-0.17 for 0.11), where each micro-batch's send and receive weigh more against its
-  compute; at pp4 (4 ranks on 2 cores) 0.32-0.40 whatever m, the cores' scheduling more than the
-  schedule's.
-- Step times were within the noise of dp's (0.9x-1.5x at pp2, 0.86x-1.11x at pp4) in no order
-  that held from one run to the next: this model is too small for the pipeline's compute to
-  outweigh the per-action overhead on a CPU.
+- Peak RSS is 0.90x-0.98x of dp: the interpreter, torch and lightning are most of it.
+- Idle fractions at pp2: 1F1B 0.17 at m=4 (theory 0.20) and 0.14 at m=8 (0.11), interleaved
+  0.15 / 0.14, ZB-V 0.08 / 0.08, GPipe 0.24 / 0.21: zero bubble roughly halves 1F1B's. At pp4 (4
+  ranks on 2 cores) 0.30-0.45, the cores' scheduling more than the schedule's.
+- Step times: pp2 1.14x-1.36x of dp2 (this model is too small for the pipeline's compute to
+  outweigh its per-action overhead on a CPU), pp4 0.92x-1.33x of dp4; another run of the same
+  command moved single rows by up to +-30%.
 
 Ranks are started as in ``benchmarks/parallel.py``: ``tests/harness.py``'s ``run_on_ranks``
 (spawned processes that see torchrun's variables, one thread each). With 4 ranks on 2 cores, a
@@ -94,7 +93,7 @@ if str(BENCHMARKS_DIR) not in sys.path:  # already there when run as a script; n
 
 # Neither imports torch at the top: the parent stays light until it starts the ranks.
 from parallel import _mib, _positive_int, _ratio, _schedule  # noqa: E402
-from step_time import _cpu_seconds, _one_line, _warn_if_shared, timed_fit, token_loader  # noqa: E402
+from step_time import GPT_EXAMPLE_DIR, _cpu_seconds, _one_line, _warn_if_shared, timed_fit, token_loader  # noqa: E402
 
 MiB = 2**20
 
@@ -283,86 +282,22 @@ def _build_loader(spec: RunSpec) -> Any:
 
 
 def _model_class() -> type:
-    """The benchmark's GPT, built on first use so that importing this file imports no torch."""
-    import lightning.pytorch as pl
-    import torch
-    import torch.nn.functional as F
-    from torch import Tensor, nn
+    """The demo GPT (examples/gpt/model.py: its ``pipeline_layers()`` list the token + position
+    embedding, the blocks and the head), untied, and recording the pipeline's idle fraction."""
+    if str(GPT_EXAMPLE_DIR) not in sys.path:
+        sys.path.insert(0, str(GPT_EXAMPLE_DIR))
+    from model import GPT  # examples/gpt/model.py
 
-    class Embedding(nn.Module):
-        """Token and position embeddings: one pipeline layer, since the forward adds them."""
-
-        def __init__(self, vocab_size: int, block_size: int, n_embd: int) -> None:
-            super().__init__()
-            self.wte = nn.Embedding(vocab_size, n_embd)
-            self.wpe = nn.Embedding(block_size, n_embd)
-
-        def forward(self, idx: Tensor) -> Tensor:
-            return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-
-    class Block(nn.Module):
-        """Pre-LN attention (SDPA, causal) and MLP, as in step_time.py's stand-in GPT."""
-
-        def __init__(self, n_embd: int, n_head: int) -> None:
-            super().__init__()
-            self.n_head = n_head
-            self.ln_1 = nn.LayerNorm(n_embd)
-            self.qkv = nn.Linear(n_embd, 3 * n_embd)
-            self.attn_proj = nn.Linear(n_embd, n_embd)
-            self.ln_2 = nn.LayerNorm(n_embd)
-            self.fc = nn.Linear(n_embd, 4 * n_embd)
-            self.mlp_proj = nn.Linear(4 * n_embd, n_embd)
-
-        def forward(self, x: Tensor) -> Tensor:
-            batch, time_, channels = x.shape
-            q, k, v = self.qkv(self.ln_1(x)).split(channels, dim=2)
-            # (B, T, C) -> (B, n_head, T, head_dim)
-            q, k, v = (t.view(batch, time_, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, time_, channels)
-            x = x + self.attn_proj(y)
-            return x + self.mlp_proj(F.gelu(self.fc(self.ln_2(x))))
-
-    class Head(nn.Module):
-        """Final norm and output projection, with its own weight: a pipeline cannot tie it to
-        the embedding on the first stage."""
-
-        def __init__(self, n_embd: int, vocab_size: int) -> None:
-            super().__init__()
-            self.ln_f = nn.LayerNorm(n_embd)
-            self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-
-        def forward(self, x: Tensor) -> Tensor:
-            return self.lm_head(self.ln_f(x))
-
-    class PipeGPT(pl.LightningModule):
-        """Embedding, blocks, head; also records the pipeline's idle fraction after each step."""
-
+    class PipeGPT(GPT):
         def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
                      warmup: int) -> None:
-            super().__init__()
-            self.embed = Embedding(vocab_size, block_size, n_embd)
-            self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
-            self.head = Head(n_embd, vocab_size)
+            # A pipeline cannot tie the head to the embedding on the first stage. max_steps: the
+            # LR schedule's length, the same for every fit.
+            super().__init__(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                             n_embd=n_embd, tie_embeddings=False, max_steps=1000)
             self.warmup = warmup
             self.idle_fractions: list[float] = []
             self._steps_seen = 0
-
-        def pipeline_layers(self) -> list[nn.Module]:
-            return [self.embed, *self.blocks, self.head]
-
-        def forward(self, idx: Tensor) -> Tensor:
-            x = self.embed(idx)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x)
-
-        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-            x, y = batch
-            logits = self(x)  # under a pipeline: the last stage's output for this micro-batch
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
         # The module's own hooks, not a callback: step_time.timed_fit takes no extra callbacks.
         def on_train_start(self) -> None:
