@@ -184,6 +184,11 @@ class PipelineSteps:
             try:
                 with forward_returns(module, output, "training_step"), recorder.capturing(module):
                     loss = _loss_of(module.training_step(pieces[index], *rest), module)
+                if not loss.requires_grad:
+                    raise PipelineError(
+                        f"{type(module).__name__}.training_step returned a loss that does not require grad (computed"
+                        " under no_grad, or detached from self(...)'s output): the stages' backward starts from it."
+                    )
             except Exception as error:  # noqa: BLE001 - re-raised on every rank below
                 failures.append(error)
                 return _zero_loss(output)

@@ -519,8 +519,18 @@ class ZeroStrategy(ParallelStrategy):
         # configure_optimizers often groups parameters by p.dim() or p.shape: at stage 3 it sees
         # their true shapes (see [Note: a stage-3 parameter outside its gather]).
         engine = self._require_engine()
-        with engine.true_shapes():
-            super().setup_optimizers(trainer)
+        failure: Exception | None = None
+        try:
+            with engine.true_shapes():
+                super().setup_optimizers(trainer)
+        except Exception as error:  # noqa: BLE001 - raised below, on every rank of a pipeline
+            failure = error
+        if self._pipeline is not None:
+            # Each stage holds other layers: configure_optimizers may fail on some stages only
+            # (e.g. it names a layer another stage holds), and the others must not go on alone.
+            _raise_together(failure, "configure_optimizers")
+        elif failure is not None:
+            raise failure
         _check_params_in_one_optimizer(self.optimizers)
         precision = self.precision_plugin
         assert isinstance(precision, ZeroPrecision)
@@ -1080,6 +1090,20 @@ def _resolve_config(stage: int | None, config: ZeroConfig | Mapping[str, Any] | 
             f"ZeroStrategy(stage={stage!r}) disagrees with config.stage={config.stage!r}; give the stage once."
         )
     return config
+
+
+def _raise_together(failure: Exception | None, what: str) -> None:
+    """Raises on every rank if ``what`` failed on any (a collective over the world): the rank's own
+    error where it failed, elsewhere one that names the first failing rank and its error."""
+    messages: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(messages, None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise RuntimeError(
+                f"{what} failed on rank {rank}, whose pipeline stages hold other layers than this rank's: {message}"
+            )
 
 
 def _check_params_in_one_optimizer(optimizers: list[Optimizer]) -> None:

@@ -463,13 +463,28 @@ class ViewNet(nn.Module):
         return list(self.layers)
 
 
+class HeadLrNet(PipeNet):
+    """configure_optimizers names the head, which only the last stage holds."""
+
+    def configure_optimizers(self) -> Any:
+        head = [self.head.weight, self.head.bias]
+        rest = [p for p in self.parameters() if all(p is not q for q in head)]
+        return torch.optim.AdamW([{"params": rest}, {"params": head, "lr": 1e-3}], lr=self.lr)
+
+
 class FailingNet(PipeNet):
-    """A user error in training_step (run on the last stage only) at the second step."""
+    """A user error in training_step (run on the last stage only) at the second step, or a loss
+    detached from the graph."""
+
+    def __init__(self, detach: bool = False) -> None:
+        super().__init__()
+        self.detach = detach
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        if batch_idx == 1:
+        if batch_idx == 1 and not self.detach:
             raise ValueError("the user's loss failed")
-        return super().training_step(batch, batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        return loss.detach() if self.detach else loss
 
 
 def _two_rank_cases() -> dict[str, Any]:
@@ -548,12 +563,19 @@ def _two_rank_cases() -> dict[str, Any]:
             split, train_dataloaders=train_loader())
         trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1)), 1)
         out["split_reused"] = _error(lambda: trainer.fit(split, train_dataloaders=train_loader()))
+    # configure_optimizers failing on one stage only fails every rank.
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2))), 1)
+        out["optimizer_error"] = _error(lambda: trainer.fit(HeadLrNet(), train_dataloaders=train_loader()))
     # An error in the user's step on the last stage: every rank raises it, none waits for gradients.
     torch.manual_seed(0)
     failing = FailingNet()
     with launched_environment():
         trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=2, pipeline=PipelineConfig(size=2))), 3)
         out["user_error"] = _error(lambda: trainer.fit(failing, train_dataloaders=train_loader()))
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=2, pipeline=PipelineConfig(size=2))), 3)
+        out["detached"] = _error(lambda: trainer.fit(FailingNet(detach=True), train_dataloaders=train_loader()))
     # Tied weights across stages: refused at setup, on both ranks.
     tied = new_model()
     tied.head.weight = tied.embed.weight
@@ -600,6 +622,8 @@ def test_zero_bubble_copies_view_outputs(two: list[dict[str, Any]]) -> None:
 
 
 def test_refusals_on_every_rank(two: list[dict[str, Any]]) -> None:
+    assert "'Identity' object has no attribute 'weight'" in two[0]["optimizer_error"]
+    assert two[1]["optimizer_error"].startswith("RuntimeError: configure_optimizers failed on rank 0")
     for rank in two:
         assert "no forward-only schedule for the V placement" in rank["zbv_eval"]
         assert "was split into pipeline stages by an earlier run" in rank["split_reused"]
@@ -636,6 +660,8 @@ def test_bad_batches_fail_on_every_rank(two: list[dict[str, Any]]) -> None:
     assert two[1]["user_error"] == "ValueError: the user's loss failed"
     assert two[0]["user_error"].startswith("PipelineError: training_step failed on the last pipeline stage (global rank 1)")
     assert "the user's loss failed" in two[0]["user_error"]
+    for rank in two:
+        assert "returned a loss that does not require grad" in rank["detached"]
     for rank in two:
         assert "microbatches=4 does not divide the training batch size 7" in rank["indivisible"]
         assert "tied weights" in rank["tied"] and "stage 0 and stage 1" in rank["tied"]
