@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -763,3 +765,37 @@ def test_lightning_cli_yaml_takes_the_pipeline() -> None:
     cli = LightningCLI(PipeNet, run=False, args={"trainer": {"strategy": strategy, "accelerator": "cpu", "devices": 2,
                                                              "logger": False}})
     assert cli.trainer.strategy.config.pipeline == PipelineConfig(size=2, schedule="1f1b", microbatches=8)
+
+
+def test_demo_gpt_pipeline_layers_are_its_forward() -> None:
+    """The demo's layers (a token + position embedding wrapper over wte/wpe, the blocks, a head
+    wrapper over ln_f/lm_head) run one after the other give its forward; untied it splits."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
+    from model import GPT
+
+    from lightning_zero.parallel.pipeline import StageModule
+
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=False)
+    layers = pipeline_layers(gpt)
+    assert [name for name, _ in layers] == ["wte+wpe+drop", "blocks.0", "blocks.1", "ln_f+lm_head"]
+    stages = split_layers(layers, PipelineConfig(size=2))
+    check_parameters_in_one_stage(gpt, stages)
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    x = tokens
+    for stage in stages:
+        x = StageModule([layer for _, layer in stage])(x)
+    assert torch.equal(x, gpt(tokens))
+    tied = GPT(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    with pytest.raises(PipelineError, match="tied weights"):
+        check_parameters_in_one_stage(tied, split_layers(pipeline_layers(tied), PipelineConfig(size=2)))
+
+
+def test_demo_pipeline_config_builds_the_strategy() -> None:
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "configs" / "zero2_pp2_cpu.yaml"
+    config = yaml.safe_load(path.read_text())
+    strategy = ZeroStrategy(**config["trainer"]["strategy"]["init_args"])
+    assert strategy.config.pipeline == PipelineConfig(size=2, schedule="1f1b", microbatches=4)
+    assert strategy.config.stage == 2 and config["model"]["tie_embeddings"] is False
