@@ -120,6 +120,13 @@ class PipeNet(pl.LightningModule):
         loss = nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
         self.log("val_loss", loss, sync_dist=True)
 
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        self.log("test_loss", nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten()))
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(-1)
+
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
         if not self.scheduler:
@@ -489,9 +496,37 @@ class FailingNet(PipeNet):
         return loss.detach() if self.detach else loss
 
 
-def _two_rank_cases() -> dict[str, Any]:
+def _two_rank_cases(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": dist.get_rank()}
+    # Whole-model files (an export, DDP's): weights-only resumes, each stage taking its layers;
+    # torch-format optimizer state (indexed over the whole model) is refused with the fix.
+    from safetensors.torch import save_file
+
+    tensors, full = os.path.join(tmp, "whole.safetensors"), os.path.join(tmp, "whole.ckpt")
+    if dist.get_rank() == 0:
+        torch.manual_seed(1)
+        other = PipeNet()
+        save_file({k: v.contiguous() for k, v in other.state_dict().items()}, tensors)
+        optimizer = torch.optim.AdamW(other.parameters())
+        torch.save({"state_dict": other.state_dict(), "optimizer_states": [optimizer.state_dict()], "epoch": 0,
+                    "global_step": 0, "pytorch-lightning_version": pl.__version__}, full)
+    dist.barrier()
+    out["from_safetensors"] = _run(ZeroConfig(stage=2, pipeline=PipelineConfig(size=2, microbatches=4)), steps=1,
+                                   ckpt_path=tensors)
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=2, pipeline=PipelineConfig(size=2))), 1)
+        out["from_full"] = _error(lambda: trainer.fit(new_model(), train_dataloaders=train_loader(), ckpt_path=full))
     out["pp2"] = _run(ZeroConfig(stage=2, pipeline=PipelineConfig(size=2, microbatches=4)))
+    # test and predict after fit, on the same (split) module: forward only through the pipeline
+    module = new_model()
+    evaluation = DataLoader(token_data(16, seed=2), batch_size=BATCH)
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=2, pipeline=PipelineConfig(size=2, microbatches=4))),
+                           STEPS)
+        trainer.fit(module, train_dataloaders=train_loader())
+        tested = trainer.test(module, evaluation, verbose=False)
+        predicted = trainer.predict(module, evaluation)
+    out["evaluated"] = {"test_loss": tested[0]["test_loss"], "predicted": predicted}
     out["gpipe"] = _run(ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=2, schedule="gpipe")))
     out["idle_1f1b"] = _idle_fractions("1f1b", 1, 4, steps=3)
     out["idle_zbv"] = _idle_fractions("zbv_zero_bubble", 2, 4, steps=3)
@@ -588,8 +623,8 @@ def _two_rank_cases() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def two() -> list[dict[str, Any]]:
-    return run_on_ranks(_two_rank_cases, 2)
+def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_on_ranks(_two_rank_cases, 2, str(tmp_path_factory.mktemp("pipeline2")))
 
 
 @pytest.mark.parametrize("case", ["pp2", "gpipe"])
@@ -644,6 +679,34 @@ def test_short_last_batches_run_as_fewer_micro_batches(two: list[dict[str, Any]]
                   ((0, 8), (8, 10))]
     expected_val = (8 * float(losses[0]) + 2 * float(losses[1])) / 10  # Lightning weighs by batch size
     assert [rank["short"]["val_loss"] for rank in two] == pytest.approx([expected_val] * 2, abs=1e-5)
+
+
+def test_whole_model_files_load_into_the_stages(two: list[dict[str, Any]]) -> None:
+    torch.manual_seed(1)
+    other = PipeNet()
+    batches = sampler_batches(1, 1)
+    optimizer = torch.optim.AdamW(other.parameters(), lr=other.lr, weight_decay=0.1)
+    x, y = batches[0][0]
+    nn.functional.cross_entropy(other(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+    assert_weights(whole_model(two, "from_safetensors"), {n: p.detach() for n, p in other.named_parameters()},
+                   "from_safetensors")
+    for rank in two:
+        assert "whole-model checkpoint with torch-format optimizer state" in rank["from_full"]
+        assert "Resume from a sharded checkpoint" in rank["from_full"]
+
+
+def test_test_and_predict_run_through_the_pipeline(two: list[dict[str, Any]]) -> None:
+    _, expected = reference(sampler_batches(1, STEPS))
+    model = new_model()
+    model.load_state_dict(expected)
+    tokens, targets = token_data(16, seed=2).tensors
+    with torch.no_grad():
+        logits = model(tokens)
+    loss = float(nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    assert [rank["evaluated"]["test_loss"] for rank in two] == pytest.approx([loss, loss], abs=1e-5)
+    assert two[0]["evaluated"]["predicted"] == [None, None]  # the first stage has no output
+    assert torch.equal(torch.cat(two[1]["evaluated"]["predicted"]), logits.argmax(-1))
 
 
 def test_bubble_is_near_theory_and_zero_bubble_is_lower(two: list[dict[str, Any]]) -> None:
