@@ -160,10 +160,16 @@ class LayoutResult:
 
 # ---------------------------------------------------------------------------------------- rank side
 def _rank_main(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
-    """Runs on every rank (inside ``run_on_ranks``, process group already up): one fit per spec.
+    """Runs on every rank (inside ``run_on_ranks``, process group already up): one fit per spec."""
+    return fit_each(specs, _fit_and_measure)
 
-    Returns plain dicts: a class of this file is ``__mp_main__``'s in a spawned rank, a name the
-    parent's unpickler cannot find."""
+
+def fit_each(specs: Sequence[Any], fit_and_measure: Any) -> list[dict[str, Any]]:
+    """On every rank: ``fit_and_measure(spec, rank)`` for each spec in turn, Lightning's per-fit
+    chatter silenced (also benchmarks/pipeline.py's).
+
+    Returns plain dicts: a class of the benchmark's file is ``__mp_main__``'s in a spawned rank, a
+    name the parent's unpickler cannot find."""
     import logging
     import warnings
 
@@ -172,7 +178,7 @@ def _rank_main(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
 
     from harness import launched_environment
 
-    # Four ranks times three fits of "GPU available: False" would bury the table.
+    # Ranks times fits of "GPU available: False" would bury the table.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=r".*defined a `validation_step` but have no `val_dataloader`.*")
@@ -182,7 +188,7 @@ def _rank_main(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
     for spec in specs:
         # Lightning's teardown deletes WORLD_SIZE & co.; the next fit needs them back.
         with launched_environment():
-            runs.append(asdict(_fit_and_measure(spec, rank)))
+            runs.append(asdict(fit_and_measure(spec, rank)))
     return runs
 
 

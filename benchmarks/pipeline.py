@@ -92,7 +92,7 @@ if str(BENCHMARKS_DIR) not in sys.path:  # already there when run as a script; n
     sys.path.insert(0, str(BENCHMARKS_DIR))
 
 # Neither imports torch at the top: the parent stays light until it starts the ranks.
-from parallel import _mib, _positive_int, _ratio, _schedule  # noqa: E402
+from parallel import _mib, _positive_int, _ratio, _schedule, fit_each  # noqa: E402
 from step_time import GPT_EXAMPLE_DIR, _cpu_seconds, _one_line, _warn_if_shared, timed_fit, token_loader  # noqa: E402
 
 MiB = 2**20
@@ -182,29 +182,8 @@ class Row:
 
 # ---------------------------------------------------------------------------------------- rank side
 def _rank_main(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
-    """Runs on every rank (inside ``run_on_ranks``, process group already up): one fit per spec.
-
-    Returns plain dicts: a class of this file is ``__mp_main__``'s in a spawned rank, a name the
-    parent's unpickler cannot find."""
-    import logging
-    import warnings
-
-    import lightning.pytorch as pl  # sets its logger's level on import; ours comes after
-    import torch.distributed as dist
-
-    from harness import launched_environment
-
-    # W ranks times 9 fits of "GPU available: False" would bury the table.
-    logging.getLogger(pl.__name__).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
-    rank = dist.get_rank()
-    runs = []
-    for spec in specs:
-        # Lightning's teardown deletes WORLD_SIZE & co.; the next fit needs them back.
-        with launched_environment():
-            runs.append(asdict(_fit_and_measure(spec, rank)))
-    return runs
+    """Runs on every rank (inside ``run_on_ranks``, process group already up): one fit per spec."""
+    return fit_each(specs, _fit_and_measure)
 
 
 def _fit_and_measure(spec: RunSpec, rank: int) -> RankRun:

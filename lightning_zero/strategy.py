@@ -421,13 +421,8 @@ class ZeroStrategy(ParallelStrategy):
                 " torch.distributed.tensor.parallel.parallelize_module(self, self.device_mesh['tensor'], plan), or"
                 " set tensor=1."
             )
-        trainer = module._trainer
-        if trainer is not None and any(isinstance(c, _WEIGHT_AVERAGING_CALLBACKS) for c in trainer.callbacks):
-            raise ValueError(
-                "StochasticWeightAveraging / WeightAveraging callbacks are not supported with tensor parallelism"
-                f" (ZeroConfig.parallel.tensor={tensor}) yet: their copy of the model would hold one tensor rank's part."
-                " Remove the callback or set tensor=1."
-            )
+        _refuse_weight_averaging(module, f"tensor parallelism (ZeroConfig.parallel.tensor={tensor})",
+                                 "hold one tensor rank's part", "set tensor=1")
         if any(p.is_meta for p in module.parameters()):
             for submodule in module.modules():  # before allocating anything
                 _check_resettable(submodule)
@@ -451,13 +446,8 @@ class ZeroStrategy(ParallelStrategy):
                 )
             return
         assert self._parallel is not None and self._parallel.pipeline_group is not None
-        trainer = module._trainer
-        if trainer is not None and any(isinstance(c, _WEIGHT_AVERAGING_CALLBACKS) for c in trainer.callbacks):
-            raise ValueError(
-                "StochasticWeightAveraging / WeightAveraging callbacks are not supported with pipeline parallelism"
-                f" (ZeroConfig.pipeline.size={config.size}) yet: their copy of the model would hold the whole model on"
-                " every rank. Remove the callback or turn the pipeline off."
-            )
+        _refuse_weight_averaging(module, f"pipeline parallelism (ZeroConfig.pipeline.size={config.size})",
+                                 "hold the whole model on every rank", "turn the pipeline off")
         if not module.automatic_optimization:
             raise ValueError(
                 f"{type(module).__name__} uses manual optimization, which pipeline parallelism does not support: the"
@@ -1090,6 +1080,15 @@ def _resolve_config(stage: int | None, config: ZeroConfig | Mapping[str, Any] | 
             f"ZeroStrategy(stage={stage!r}) disagrees with config.stage={config.stage!r}; give the stage once."
         )
     return config
+
+
+def _refuse_weight_averaging(module: Module, layout: str, copy_would: str, fix: str) -> None:
+    trainer = module._trainer
+    if trainer is not None and any(isinstance(c, _WEIGHT_AVERAGING_CALLBACKS) for c in trainer.callbacks):
+        raise ValueError(
+            f"StochasticWeightAveraging / WeightAveraging callbacks are not supported with {layout} yet: their copy of"
+            f" the model would {copy_would}. Remove the callback or {fix}."
+        )
 
 
 def _raise_together(failure: Exception | None, what: str) -> None:

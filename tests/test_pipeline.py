@@ -600,6 +600,11 @@ def _two_rank_cases(tmp: str) -> dict[str, Any]:
             split, train_dataloaders=train_loader())
         trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1)), 1)
         out["split_reused"] = _error(lambda: trainer.fit(split, train_dataloaders=train_loader()))
+    # Weight averaging would copy the whole model on every rank: refused.
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2))), 1,
+                           callbacks=[pl.callbacks.EMAWeightAveraging(decay=0.9)])
+        out["ema"] = _error(lambda: trainer.fit(new_model(), train_dataloaders=train_loader()))
     # configure_optimizers failing on one stage only fails every rank.
     with launched_environment():
         trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2))), 1)
@@ -662,6 +667,7 @@ def test_refusals_on_every_rank(two: list[dict[str, Any]]) -> None:
     assert "'Identity' object has no attribute 'weight'" in two[0]["optimizer_error"]
     assert two[1]["optimizer_error"].startswith("RuntimeError: configure_optimizers failed on rank 0")
     for rank in two:
+        assert "WeightAveraging callbacks are not supported with pipeline parallelism" in rank["ema"]
         assert "no forward-only schedule for the V placement" in rank["zbv_eval"]
         assert "was split into pipeline stages by an earlier run" in rank["split_reused"]
 
