@@ -1145,8 +1145,9 @@ def _check_parallel_combination(config: ZeroConfig, state_dict_type: str, collec
         return
     if collectives is not None:
         raise ValueError(
-            f"ZeroStrategy(collectives=...) cannot be combined with ZeroConfig.parallel={parallel}: the engine's"
-            " collectives are built over the mesh's shard group. Drop collectives=, or use plain ZeRO."
+            f"ZeroStrategy(collectives=...) cannot be combined with a mesh (ZeroConfig.parallel={parallel},"
+            f" pipeline.size={config.pipeline.size}): the engine's collectives are built over the mesh's shard group."
+            " Drop collectives=, or use plain ZeRO."
         )
     if config.pipeline.enabled and state_dict_type == "full":
         raise ValueError(
