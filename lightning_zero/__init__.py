@@ -11,6 +11,7 @@ from lightning_zero.config import ParallelConfig, PipelineConfig, ZeroConfig
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
 from lightning_zero.precision import ZeroPrecision
+from lightning_zero.profiling import MemoryBreakdown, MemoryEstimate, estimate_memory
 from lightning_zero.strategy import ZeroStrategy
 from lightning_zero.zero.consistency import RanksDisagreeError
 from lightning_zero.zero import (
@@ -39,6 +40,8 @@ __all__ = [
     "LossScaleAtMinimumError",
     "LossScaleConfig",
     "LossScaler",
+    "MemoryBreakdown",
+    "MemoryEstimate",
     "ModelStateBytes",
     "ParallelConfig",
     "PipelineConfig",
@@ -48,5 +51,6 @@ __all__ = [
     "ZeroPrecision",
     "ZeroStrategy",
     "consolidate",
+    "estimate_memory",
     "model_state_bytes",
 ]

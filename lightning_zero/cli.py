@@ -6,15 +6,17 @@ import argparse
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from lightning_zero.checkpoint.consolidate import DTYPES, consolidate
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero.checkpoint.checksums import CheckpointError, reason
+from lightning_zero.config import ZeroConfig
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-zero", description="Tools for lightning_zero checkpoints.")
+    parser = argparse.ArgumentParser(prog="lightning-zero", description="Tools for lightning_zero checkpoints and memory.")
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser(
         "consolidate",
@@ -31,11 +33,118 @@ def _parser() -> argparse.ArgumentParser:
                              " are kept as saved)")
     export.add_argument("--weights-only", action="store_true", help="leave out optimizer state, schedulers and loops")
     export.add_argument("--no-progress", action="store_true", help="no progress bar")
+    estimate = commands.add_parser(
+        "estimate",
+        help="print one rank's memory per ZeRO stage and world size, as a table",
+        description="Estimates one rank's memory (parameters, gradients, optimizer state, communication buffers)"
+        " on the training device and the host, for each world size and stage (see lightning_zero.estimate_memory)."
+        " Activations are not estimated here: estimate_memory(model, ..., sample_batch=...) measures them.",
+    )
+    estimate.add_argument("model", help="a trainable parameter count (e.g. 7e9 or 125000000), or module.path:factory"
+                                        " naming a callable that returns the nn.Module (built on the meta device)")
+    estimate.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the factory, e.g."
+                                                                 " '{\"vocab_size\": 50304}'")
+    estimate.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel ranks")
+    estimate.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
+    estimate.add_argument("--precision", default="bf16-mixed", help="a Trainer precision flag")
+    estimate.add_argument("--offload", choices=["none", "optimizer", "params"], default="none",
+                          help="optimizer: offload_optimizer; params: also offload_params (stage 3 only)")
+    estimate.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where training runs")
+    estimate.add_argument("--reduce-bucket-size", type=int, default=ZeroConfig.reduce_bucket_size)
+    estimate.add_argument("--reduce-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    estimate.add_argument("--prefetch-units", type=int, default=ZeroConfig.prefetch_units)
+    estimate.add_argument("--min-unit-numel", type=int, default=ZeroConfig.min_unit_numel)
+    estimate.add_argument("--optimizer-moments", type=int, default=2, help="fp32 state per element (Adam: 2)")
     return parser
+
+
+def _load_model(spec: str, kwargs: str) -> Any:
+    """A parameter count, or the module a ``module.path:factory`` builds (on the meta device)."""
+    try:
+        return int(float(spec)) if ":" not in spec else _build(spec, kwargs)
+    except ValueError as error:
+        raise ValueError(f"MODEL={spec!r} is neither a parameter count nor module.path:factory ({error}).") from error
+
+
+def _build(spec: str, kwargs: str) -> Any:
+    import importlib
+    import json
+
+    import torch
+
+    try:
+        options = json.loads(kwargs)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--model-kwargs {kwargs!r} is not JSON: {error}") from error
+    if not isinstance(options, dict):
+        raise ValueError(f"--model-kwargs {kwargs!r} must be a JSON object of keyword arguments")
+
+    path, _, name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(path), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot import {name!r} from {path!r}: {error}") from error
+    with torch.device("meta"):  # sizes only: nothing is allocated
+        try:
+            model = factory(**options)
+        except TypeError as error:
+            raise ValueError(f"{spec}(**{options}) failed: {error}; pass its arguments with --model-kwargs") from error
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{spec} returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _estimate(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lightning_zero.offload import CPUOffloadPolicy
+    from lightning_zero.profiling import estimate_memory
+
+    model = _load_model(args.model, args.model_kwargs)
+    offload = CPUOffloadPolicy() if args.offload != "none" else None
+    notes: set[str] = set()
+    rows: list[tuple[int, int, list[int]]] = []
+    for world_size in args.world_sizes:
+        for stage in args.stages:
+            config = ZeroConfig(
+                stage=stage, reduce_bucket_size=args.reduce_bucket_size, reduce_dtype=args.reduce_dtype,
+                prefetch_units=args.prefetch_units, min_unit_numel=args.min_unit_numel,
+                offload_optimizer=offload, offload_params=offload if args.offload == "params" and stage == 3 else None,
+            )
+            estimate = estimate_memory(model, world_size, config, args.precision,
+                                       optimizer_moments=args.optimizer_moments, device_type=args.device)
+            notes.update(estimate.notes)
+            device, host = estimate.device, estimate.host
+            rows.append((world_size, stage, [device.params + host.params, device.grads + host.grads,
+                                             device.optimizer_states + host.optimizer_states,
+                                             device.comm_buffers + host.comm_buffers, device.total, host.total]))
+    scale, unit = (2**30, "GiB") if max(max(values) for *_, values in rows) >= 2**30 else (2**20, "MiB")
+    table = Table(title=f"One rank's memory, {args.precision}, offload {args.offload}, on {args.device} ({unit})")
+    for column in ("ranks", "stage", "params", "grads", "optimizer", "comm buffers", "device total", "host total"):
+        table.add_column(column, justify="right")
+    for world_size, stage, values in rows:
+        table.add_row(str(world_size), str(stage), *(f"{value / scale:.2f}" for value in values))
+    console = Console()
+    parameters = model if isinstance(model, int) else sum(p.numel() for p in model.parameters() if p.requires_grad)
+    console.print(f"{parameters:,} trainable parameters")
+    console.print(table)
+    if args.offload == "params":
+        notes.add("parameter offload applies to stage 3 only; stages 1/2 offload the optimizer")
+    for note in sorted(notes):
+        console.print(f"note: {note}")
+
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "estimate":
+        try:
+            _estimate(args)
+        except ValueError as error:
+            print(f"lightning-zero estimate: error: {error}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "consolidate":
         warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
         try:

@@ -41,25 +41,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from lightning_zero.config import PipelineConfig
 
-SCHEDULE_CLASSES: dict[str, type] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv_zero_bubble": ScheduleZBVZeroBubble,
+# PipelineConfig.schedule -> the torch.distributed.pipelining class, looked up when a pipeline is
+# built: an older torch without one of them still imports lightning_zero.
+SCHEDULE_CLASSES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
 }
 _SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def schedule_class(name: str) -> type:
+    import torch.distributed.pipelining as pipelining
+
+    found = getattr(pipelining, SCHEDULE_CLASSES[name], None)
+    if found is None:
+        raise PipelineError(
+            f"PipelineConfig.schedule={name!r} needs torch.distributed.pipelining.{SCHEDULE_CLASSES[name]}, which torch"
+            f" {torch.__version__} does not have; upgrade torch or choose another schedule."
+        )
+    return found
 
 
 class PipelineError(ValueError):
@@ -438,16 +445,16 @@ class PipelineRunner:
             stage = _TimedStage(module, index, self.config.num_stages, self.device, group=self.group)
             stage.runner = self
             stages.append(stage)
-        schedule_class = SCHEDULE_CLASSES[self._schedule_name(train)]
+        schedule_cls = schedule_class(self._schedule_name(train))
         loss_fn = self._schedule_loss if train else None
         try:
             if self.config.schedule in _SINGLE_STAGE:
-                schedule = schedule_class(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+                schedule = schedule_cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
             else:
-                schedule = schedule_class(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+                schedule = schedule_cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
         except (ValueError, AssertionError) as error:
             raise PipelineError(
-                f"torch's {schedule_class.__name__} refuses PipelineConfig(size={self.config.size},"
+                f"torch's {schedule_cls.__name__} refuses PipelineConfig(size={self.config.size},"
                 f" microbatches={microbatches}, stages_per_rank={self.config.stages_per_rank}): {error}"
             ) from error
         self._built[(key, microbatches, train)] = (stages, schedule)
@@ -583,6 +590,7 @@ __all__ = [
     "PipelineError",
     "PipelineRunner",
     "SCHEDULE_CLASSES",
+    "schedule_class",
     "StageModule",
     "build_pipeline",
     "is_split",

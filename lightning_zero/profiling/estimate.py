@@ -1,0 +1,274 @@
+"""How much memory one rank needs under ZeRO, per category, before anything runs.
+
+[Note: memory of one rank]
+With Ψ trainable parameter elements sharded over N ranks, parameters held in P bytes (4 for
+fp32, 2 for bf16/fp16), gradients reduced in R bytes (``ZeroConfig.reduce_dtype``), fp32 masters
+and an optimizer with K fp32 moments per element (Adam/AdamW: 2), the engine allocates:
+
+=========  ==================  ====================  ===============================
+stage      parameters          gradients             optimizer state (master + K)
+=========  ==================  ====================  ===============================
+1          P Ψ                 R Ψ  +  4 Ψ/N         4 Ψ/N + 4K Ψ/N
+2          P Ψ                 4 Ψ/N                 4 Ψ/N + 4K Ψ/N
+3          P Ψ/N               4 Ψ/N                 (4 Ψ/N if a copy) + 4K Ψ/N
+=========  ==================  ====================  ===============================
+
+- stage 1 keeps each bucket's whole local gradient (R Ψ) for the run; stage 2 frees it once the
+  bucket is reduced, so it is counted as a communication buffer (up to two buckets: one
+  accumulating, one in flight); every stage keeps the reduced fp32 master-gradient shard (4 Ψ/N).
+- the fp32 master is its own tensor at stages 1/2; at stage 3 an fp32 parameter shard that lives
+  on the same device as its master *is* the master (no copy).
+- ``offload_optimizer`` moves ``ratio`` of the masters, master gradients and moments to the host;
+  ``offload_params`` (stage 3) the parameter shards too. With bf16/fp16 parameters an offloaded
+  step writes its rounded result into a host staging buffer (P Ψ/N, a communication buffer).
+- stage 3 gathers a unit's parameters whole for its forward and backward: (1 + prefetch) of the
+  largest units at once (P each), and reduces a unit's gradient (R) before it is scattered.
+
+These are the tensors :func:`~lightning_zero.zero.accounting.model_state_bytes` counts for
+parameters, gradients and optimizer state (the tests compare the two on 2 and 4 ranks); padding
+each bucket (stages 1/2) or unit (stage 3) to a multiple of N adds at most N - 1 elements each.
+Activations are not guessed: with a model and a sample micro-batch they are measured by running
+its forward once and counting what autograd saves for backward; otherwise they are unknown.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.config import ZeroConfig
+
+PARAM_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MASTER_BYTES = 4
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes in one place (the training device, or the host), per category."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer_states: int = 0
+    comm_buffers: int = 0
+    activations: int | None = None  # None: unknown (no sample batch to measure them with)
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        """Every category; unknown activations count as 0 (see ``activations``)."""
+        return self.model_states + self.comm_buffers + (self.activations or 0)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's memory under a ZeRO configuration (see [Note: memory of one rank])."""
+
+    world_size: int
+    stage: int
+    precision: str
+    num_params: int  # trainable parameter elements of the whole model
+    device: MemoryBreakdown
+    host: MemoryBreakdown
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer state, device and host together (what
+        ``ZeroStrategy.model_state_bytes()`` measures)."""
+        return self.device.model_states + self.host.model_states
+
+
+def estimate_memory(
+    model: nn.Module | int,
+    world_size: int,
+    config: ZeroConfig | None = None,
+    precision: str = "32-true",
+    sample_batch: Any = None,
+    optimizer_moments: int = 2,
+    device_type: str = "cuda",
+) -> MemoryEstimate:
+    """One rank's memory for ``model`` (a module, or a trainable parameter count) sharded over
+    ``world_size`` data-parallel ranks with ``config`` (stage, offload, bucket, unit and prefetch
+    sizes) and ``precision`` (a Trainer precision flag). ``sample_batch`` (one micro-batch, with a
+    module) measures the activations; ``optimizer_moments`` is the fp32 state per element (Adam: 2,
+    SGD with momentum: 1); ``device_type`` is where training runs ("cpu": offloaded state shares the
+    training device's memory). Plain PyTorch: no process group, no Trainer."""
+    config = config if config is not None else ZeroConfig()
+    _check_inputs(model, world_size, config, precision, optimizer_moments, device_type)
+    if isinstance(model, nn.Module):
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    else:
+        numel = int(model)
+    n, p_bytes = world_size, PARAM_BYTES[precision]
+    r_bytes = _DTYPE_BYTES[config.reduce_dtype]
+    shard = math.ceil(numel / n)
+    notes: list[str] = []
+    device, host = _Bytes(), _Bytes()
+    offload_ratio = config.offload_optimizer.ratio if config.offload_optimizer is not None else 0.0
+    on_host = shard * offload_ratio
+    on_device = shard - on_host
+
+    # optimizer state: K moments per master element, where the masters live
+    device.optimizer_states += 4 * optimizer_moments * on_device
+    host.optimizer_states += 4 * optimizer_moments * on_host
+    # master gradients (every stage): fp32, beside the masters
+    device.grads += MASTER_BYTES * on_device
+    host.grads += MASTER_BYTES * on_host
+
+    if config.stage in (1, 2):
+        device.params += p_bytes * numel
+        device.optimizer_states += MASTER_BYTES * on_device
+        host.optimizer_states += MASTER_BYTES * on_host
+        buckets = min(numel, config.reduce_bucket_size)
+        if config.stage == 1:
+            device.grads += r_bytes * numel  # every bucket's local gradient, kept for the run
+        else:
+            device.comm_buffers += r_bytes * min(numel, 2 * buckets)  # one accumulating, one in flight
+        if config.offload_optimizer is not None and p_bytes < MASTER_BYTES:
+            host.comm_buffers += p_bytes * on_host  # rounded parameters written by the CPU step
+    else:
+        params_on_host = config.offload_params is not None
+        (host if params_on_host else device).params += p_bytes * shard
+        # The parameter shard is the master when it is fp32 and on the master's device.
+        shard_on_host = params_on_host and device_type != "cpu"
+        for placed, part in ((device, on_device), (host, on_host)):
+            master_on_host = placed is host and device_type != "cpu"
+            if not (p_bytes == MASTER_BYTES and master_on_host == shard_on_host):
+                placed.optimizer_states += MASTER_BYTES * part
+        unit = _largest_unit_numel(model, config, numel)
+        if unit is None:
+            unit = min(numel, config.min_unit_numel)
+            notes.append(f"stage-3 unit size not known from a parameter count: assumed {unit:,} elements"
+                         " (ZeroConfig.min_unit_numel)")
+        prefetch = config.prefetch_units if config.prefetch_bytes is None else max(
+            0, config.prefetch_bytes // max(1, p_bytes * unit))
+        device.comm_buffers += p_bytes * unit * (1 + prefetch) + r_bytes * unit
+        if config.offload_optimizer is not None and p_bytes < MASTER_BYTES and not shard_on_host \
+                and device_type != "cpu":
+            host.comm_buffers += p_bytes * on_host  # rounded parameters written by the CPU step (a shard on the host is its own)
+    activations = measure_activations(model, sample_batch, precision) if sample_batch is not None else None
+    if activations is None:
+        notes.append("activations unknown: give a model and a sample micro-batch to measure them")
+    if device_type == "cpu":
+        notes.append("device_type='cpu': 'device' and 'host' are the same memory")
+    return MemoryEstimate(
+        world_size=world_size, stage=config.stage, precision=precision, num_params=numel,
+        device=device.breakdown(activations), host=host.breakdown(None if activations is None else 0),
+        notes=tuple(notes),
+    )
+
+
+@dataclass
+class _Bytes:
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer_states: float = 0.0
+    comm_buffers: float = 0.0
+
+    def breakdown(self, activations: int | None) -> MemoryBreakdown:
+        return MemoryBreakdown(int(round(self.params)), int(round(self.grads)), int(round(self.optimizer_states)),
+                               int(round(self.comm_buffers)), activations)
+
+
+def _largest_unit_numel(model: nn.Module | int, config: ZeroConfig, numel: int) -> int | None:
+    """The largest stage-3 unit's elements, from the module's own unit choice (None for a count)."""
+    if not isinstance(model, nn.Module):
+        return None
+    from lightning_zero.zero.stage3.partition import choose_unit_modules, innermost_prefix
+
+    units = choose_unit_modules(model, config.unit_modules, config.min_unit_numel)
+    sizes: dict[str, int] = {}
+    seen: set[nn.Parameter] = set()
+    for name, param in model.named_parameters():
+        if param in seen or not param.requires_grad or param.numel() < config.param_persistence_threshold:
+            continue
+        seen.add(param)
+        owner = innermost_prefix(name.rpartition(".")[0], units)
+        sizes[owner] = sizes.get(owner, 0) + param.numel()
+    return max(sizes.values(), default=0)
+
+
+def measure_activations(model: nn.Module | int, sample_batch: Any, precision: str = "32-true") -> int:
+    """Bytes autograd saves for backward in one forward of ``sample_batch`` (one micro-batch): a
+    LightningModule's ``training_step(batch, 0)``, or ``model(batch)``; under ``precision``'s
+    autocast (the mixed modes) or dtype. Each storage counts once."""
+    if not isinstance(model, nn.Module):
+        raise ValueError("estimate_memory(sample_batch=...) needs the model itself, not a parameter count.")
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        # parameters are counted as parameters, not as activations
+        if key not in seen and not isinstance(tensor, nn.Parameter) and key not in parameter_storages:
+            seen.add(key)
+            total[0] += storage.nbytes()
+        return tensor
+
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    step: Callable[[], Any]
+    if callable(getattr(type(model), "training_step", None)):  # a LightningModule (without importing Lightning)
+        step = lambda: model.training_step(sample_batch, 0)  # noqa: E731
+    else:
+        step = lambda: model(sample_batch)  # noqa: E731
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    context: Any = torch.autocast(device_type, dtype=torch.bfloat16 if precision.startswith("bf16") else torch.float16) \
+        if precision.endswith("-mixed") else torch.autocast(device_type, enabled=False)
+    was_training = model.training
+    model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), context, _quiet_log(model):
+            step()
+    finally:
+        model.train(was_training)
+    return total[0]
+
+
+class _quiet_log:
+    """``self.log`` outside a Trainer raises: the probe runs training_step without one."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        if hasattr(self.model, "log"):
+            self.model.__dict__["log"] = lambda *args, **kwargs: None
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.__dict__.pop("log", None)
+
+
+def _check_inputs(model: nn.Module | int, world_size: int, config: ZeroConfig, precision: str,
+                  optimizer_moments: int, device_type: str) -> None:
+    if not isinstance(model, nn.Module) and (isinstance(model, bool) or not isinstance(model, int) or model < 1):
+        raise ValueError(f"estimate_memory(model={model!r}): give an nn.Module or a positive parameter count.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"estimate_memory(world_size={world_size!r}) must be a positive number of ranks.")
+    if precision not in PARAM_BYTES:
+        raise ValueError(
+            f"estimate_memory(precision={precision!r}) is not supported: use one of {', '.join(map(repr, PARAM_BYTES))}."
+        )
+    if isinstance(optimizer_moments, bool) or not isinstance(optimizer_moments, int) or optimizer_moments < 0:
+        raise ValueError(
+            f"estimate_memory(optimizer_moments={optimizer_moments!r}) must be >= 0 (Adam/AdamW: 2, SGD+momentum: 1)."
+        )
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"estimate_memory(device_type={device_type!r}) must be 'cuda' or 'cpu'.")
+
+
+def with_stage(config: ZeroConfig, stage: int) -> ZeroConfig:
+    """``config`` at another stage (parameter offload only where it applies)."""
+    return replace(config, stage=stage, offload_params=config.offload_params if stage == 3 else None)
+
+
+__all__ = ["MemoryBreakdown", "MemoryEstimate", "estimate_memory", "measure_activations", "with_stage"]
