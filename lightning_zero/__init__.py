@@ -6,6 +6,7 @@ variants) with Lightning, so ``Trainer(strategy="zero2")`` works. Importing neve
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.callbacks import ZeroMemoryProfiler
 from lightning_zero.checkpoint import CheckpointError, consolidate
 from lightning_zero.config import ParallelConfig, PipelineConfig, ZeroConfig
 from lightning_zero.offload import CPUOffloadPolicy
@@ -47,6 +48,7 @@ __all__ = [
     "PipelineConfig",
     "RanksDisagreeError",
     "ZeroConfig",
+    "ZeroMemoryProfiler",
     "ZeroOptimizer",
     "ZeroPrecision",
     "ZeroStrategy",

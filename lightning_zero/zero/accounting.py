@@ -6,7 +6,7 @@ because it is really allocated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,13 +33,16 @@ class ModelStateBytes:
 
 
 class _StorageCounter:
-    def __init__(self) -> None:
+    def __init__(self, where: Callable[[Tensor], bool] | None = None) -> None:
         self._seen: set[tuple[torch.device, int]] = set()
+        self._where = where
         self.bytes = 0
 
     def add(self, tensors: Iterable[Tensor | None]) -> None:
         for tensor in tensors:
             if tensor is None or not isinstance(tensor, Tensor) or tensor.device.type == "meta":
+                continue
+            if self._where is not None and not self._where(tensor):
                 continue
             storage = tensor.untyped_storage()
             key = (tensor.device, storage.data_ptr())
@@ -49,13 +52,15 @@ class _StorageCounter:
             self.bytes += storage.nbytes()
 
 
-def model_state_bytes(module: nn.Module, optimizers: Sequence[Optimizer]) -> ModelStateBytes:
-    """This rank's bytes of parameters, gradients and optimizer state (ZeRO-aware)."""
-    params = _StorageCounter()
+def model_state_bytes(module: nn.Module, optimizers: Sequence[Optimizer],
+                      where: Callable[[Tensor], bool] | None = None) -> ModelStateBytes:
+    """This rank's bytes of parameters, gradients and optimizer state (ZeRO-aware); with
+    ``where``, only the tensors it accepts (e.g. those on one device)."""
+    params = _StorageCounter(where)
     params.add(module.parameters())
-    grads = _StorageCounter()
+    grads = _StorageCounter(where)
     grads.add(p.grad for p in module.parameters())
-    states = _StorageCounter()
+    states = _StorageCounter(where)
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
         if isinstance(optimizer, ShardedOptimizer):

@@ -1,0 +1,129 @@
+"""What one rank holds right now, per category: model state split by device, gathered stage-3
+units, the activations autograd saved, the allocator's (CUDA) or the process's (CPU) totals.
+Plain PyTorch; the ZeroMemoryProfiler callback calls these at the phases of sampled steps."""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero.zero.accounting import model_state_bytes
+
+PHASES = ("forward", "backward", "step")  # after forward (before backward), backward, after the optimizer step
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """One rank's memory at one phase of one step, in bytes (None: not measurable here)."""
+
+    step: int
+    rank: int
+    phase: str
+    params_device: int
+    params_host: int
+    params_gathered: int  # stage 3: units gathered whole right now
+    grads_device: int
+    grads_host: int
+    optimizer_device: int
+    optimizer_host: int
+    activations: int | None  # saved for backward by this step's forward (forward phase)
+    allocated: int | None  # CUDA: torch.cuda.memory_allocated
+    peak_allocated: int | None  # CUDA: the peak since the previous phase
+    reserved: int | None  # CUDA: torch.cuda.memory_reserved
+    alloc_retries: int | None  # CUDA: num_alloc_retries (the allocator freed its cache to fit)
+    rss: int  # the process's resident memory
+    peak_rss: int  # its high-water mark
+
+    @property
+    def params(self) -> int:
+        return self.params_device + self.params_host
+
+    @property
+    def grads(self) -> int:
+        return self.grads_device + self.grads_host
+
+    @property
+    def optimizer_states(self) -> int:
+        return self.optimizer_device + self.optimizer_host
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer_states
+
+    def as_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sample_memory(step: int, rank: int, phase: str, module: nn.Module, optimizers: Sequence[Optimizer],
+                  device: torch.device, engine: Any = None, activations: int | None = None,
+                  peak_allocated: int | None = None) -> MemorySample:
+    """This rank's :class:`MemorySample` now. Model state comes from
+    :func:`~lightning_zero.zero.accounting.model_state_bytes`, split between ``device`` (where
+    training runs) and the host (the rest)."""
+    on_device = model_state_bytes(module, optimizers, where=lambda t: t.device == device)
+    on_host = model_state_bytes(module, optimizers, where=lambda t: t.device != device)
+    gathered = sum(unit.full.untyped_storage().nbytes() for unit in getattr(engine, "units", ()))
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    stats = torch.cuda.memory_stats(device) if cuda else {}
+    rss, peak = process_memory()
+    return MemorySample(
+        step=step, rank=rank, phase=phase,
+        params_device=on_device.params, params_host=on_host.params, params_gathered=gathered,
+        grads_device=on_device.grads, grads_host=on_host.grads,
+        optimizer_device=on_device.optimizer_states, optimizer_host=on_host.optimizer_states,
+        activations=activations,
+        allocated=stats.get("allocated_bytes.all.current") if cuda else None,
+        peak_allocated=peak_allocated,
+        reserved=stats.get("reserved_bytes.all.current") if cuda else None,
+        alloc_retries=stats.get("num_alloc_retries") if cuda else None,
+        rss=rss, peak_rss=peak,
+    )
+
+
+def process_memory() -> tuple[int, int]:
+    """(resident bytes now, the high-water mark) of this process."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+        return pages * resource.getpagesize(), peak
+    except (OSError, ValueError, IndexError):
+        return peak, peak
+
+
+class SavedActivations:
+    """Counts what autograd saves for backward between :meth:`start` and :meth:`stop` (each
+    storage once, parameters excluded): the activations a step's forward keeps."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._parameters = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
+        self._seen: set[int] = set()
+        self.bytes = 0
+        self._hooks: Any = None
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._seen and key not in self._parameters and not isinstance(tensor, nn.Parameter):
+            self._seen.add(key)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def start(self) -> None:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+
+    def stop(self) -> int:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        return self.bytes
+
+
+__all__ = ["MemorySample", "PHASES", "SavedActivations", "process_memory", "sample_memory"]

@@ -1,0 +1,122 @@
+"""ZeroMemoryProfiler on 2 gloo ranks: its model-state numbers are model_state_bytes()'s, every
+rank reaches rank 0's CSV and plots, metrics reach a CSVLogger, and it only works on the sampled
+batches."""
+
+from __future__ import annotations
+
+import csv
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import launched_environment, run_on_ranks
+from models import TinyGPT, loader
+
+from lightning_zero import ZeroConfig, ZeroMemoryProfiler, ZeroStrategy
+
+STEPS = 6
+
+
+class StateBytes(pl.Callback):
+    """model_state_bytes() where the profiler takes its after-step sample (it runs just before)."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, tuple[int, int, int]] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        state = trainer.strategy.model_state_bytes()
+        # keyed by the step this batch ran (the profiler labels every phase of a batch so)
+        self.by_step[trainer.global_step - 1] = (state.params, state.grads, state.optimizer_states)
+
+
+def _profile(tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"rank": dist.get_rank()}
+    for stage in (2, 3):
+        directory = os.path.join(tmp, f"stage{stage}")
+        profiler = ZeroMemoryProfiler(every_n_steps=2)
+        state = StateBytes()
+        torch.manual_seed(0)
+        with launched_environment():
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=dist.get_world_size(), strategy=ZeroStrategy(config=ZeroConfig(stage=stage)),
+                max_steps=STEPS, default_root_dir=directory, callbacks=[profiler, state],
+                logger=pl.loggers.CSVLogger(directory, name="logs"), log_every_n_steps=1, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False,
+            )
+            trainer.fit(TinyGPT(width=64), train_dataloaders=loader())
+        out[stage] = {
+            "samples": [s.as_row() for s in profiler.samples],
+            "files": [str(path) for path in profiler.files],
+            "state": state.by_step,
+            "estimate": profiler.estimate,
+            "log_dir": trainer.logger.log_dir if trainer.global_rank == 0 else None,
+            "seconds": profiler.sampling_seconds,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_on_ranks(_profile, 2, str(tmp_path_factory.mktemp("memory")))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_model_state_numbers_are_model_state_bytes(profiled: list[dict[str, Any]], stage: int) -> None:
+    for rank in profiled:
+        mine = [s for s in profiled[0][stage]["samples"] if s["rank"] == rank["rank"] and s["phase"] == "step"]
+        assert [s["step"] for s in mine] == [0, 2, 4]  # batches 1, 3, 5 of 6: every 2nd, the first too
+        for sample in mine:
+            measured = (sample["params_device"] + sample["params_host"], sample["grads_device"] + sample["grads_host"],
+                        sample["optimizer_device"] + sample["optimizer_host"])
+            assert measured == rank[stage]["state"][sample["step"]]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_rank_and_phase_reach_the_csv_and_plots(profiled: list[dict[str, Any]], stage: int) -> None:
+    files = profiled[0][stage]["files"]
+    assert [os.path.basename(f) for f in files] == ["memory.csv", "memory_over_steps.png", "memory_per_rank.png"]
+    with open(files[0]) as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 2 * 3 * 3  # ranks x sampled steps x phases
+    assert {(row["rank"], row["phase"]) for row in rows} == {(r, p) for r in "01" for p in ("forward", "backward", "step")}
+    forward = [row for row in rows if row["phase"] == "forward"]
+    assert all(int(row["activations"]) > 0 for row in forward)
+    assert all(int(row["rss"]) > 0 for row in rows)
+    for png in files[1:]:
+        with open(png, "rb") as image:
+            assert image.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert profiled[1][stage]["files"] == []  # only rank 0 writes
+    if stage == 3:  # stage 3 gathers units for forward and backward and frees them after
+        steps = [row for row in rows if row["phase"] == "step"]
+        assert all(int(row["params_gathered"]) == 0 for row in steps)
+
+
+def test_metrics_reach_the_logger(profiled: list[dict[str, Any]]) -> None:
+    with open(os.path.join(profiled[0][2]["log_dir"], "metrics.csv")) as file:
+        rows = list(csv.DictReader(file))
+    columns = set(rows[0])
+    for rank in (0, 1):
+        assert f"memory/rank{rank}/step/optimizer_device" in columns
+        assert f"memory/rank{rank}/forward/activations" in columns
+    logged = [float(row["memory/rank1/step/params_device"]) for row in rows if row["memory/rank1/step/params_device"]]
+    assert len(logged) == 3 and logged[0] > 0
+
+
+def test_estimate_beside_the_measurement(profiled: list[dict[str, Any]]) -> None:
+    for stage in (2, 3):
+        estimate = profiled[0][stage]["estimate"]
+        last = [s for s in profiled[0][stage]["samples"] if s["phase"] == "step" and s["rank"] == 0][-1]
+        measured = sum(last[k] for k in ("params_device", "params_host", "grads_device", "grads_host",
+                                         "optimizer_device", "optimizer_host"))
+        assert measured == pytest.approx(estimate.model_states, rel=0.05)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        ZeroMemoryProfiler(every_n_steps=0)
+    with pytest.raises(ValueError, match="cuda_snapshot_steps=-1"):
+        ZeroMemoryProfiler(cuda_snapshot_steps=-1)
