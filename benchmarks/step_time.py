@@ -276,10 +276,11 @@ def token_loader(samples: int, vocab_size: int, block_size: int, batch_size: int
 
 
 def timed_fit(model: Any, strategy: Any, world_size: int, warmup: int, steps: int, loader: Any,
-              name: str) -> tuple[list[float], tuple[int, int, int]]:
+              name: str, callbacks: Sequence[Any] = ()) -> tuple[list[float], tuple[int, int, int]]:
     """Fits ``model`` for ``warmup + steps`` optimizer steps on ``world_size`` CPU ranks (no
     validation, logging or checkpoints): the timed steps' durations and the model-state bytes
-    (params, grads, optimizer states) at the end of training."""
+    (params, grads, optimizer states) at the end of training. ``callbacks`` run before the timer's
+    hooks, so what they do at a batch's end is inside its time."""
     import lightning.pytorch as pl
 
     timer = _step_timer_class()(warmup)
@@ -296,7 +297,7 @@ def timed_fit(model: Any, strategy: Any, world_size: int, warmup: int, steps: in
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
+        callbacks=[*callbacks, timer],
     )
     trainer.fit(model, train_dataloaders=loader)
     if timer.state_bytes is None:

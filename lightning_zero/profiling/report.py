@@ -62,7 +62,7 @@ def write_plots(samples: Sequence[MemorySample], directory: Path) -> list[Path]:
     steps = sorted({s.step for s in samples})
     paths = []
 
-    figure, axes = plt.subplots(len(ranks), 1, figsize=(8, 2.6 * len(ranks)), squeeze=False, sharex=True)
+    figure, axes = plt.subplots(len(ranks), 1, figsize=(9.5, 2.6 * len(ranks)), squeeze=False, sharex=True)
     for axis, rank in zip(axes[:, 0], ranks):
         series = [[_of_step(by_key, rank, step, category) for step in steps] for category in CATEGORIES]
         axis.stackplot(steps, series, labels=[c.replace("_", " ") for c in CATEGORIES])
@@ -70,14 +70,14 @@ def write_plots(samples: Sequence[MemorySample], directory: Path) -> list[Path]:
         axis.set_title(f"rank {rank}")
         axis.set_ylabel("MiB")
     axes[-1, 0].set_xlabel("optimizer step")
-    axes[0, 0].legend(loc="upper left", fontsize="small", ncol=3)
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     figure.tight_layout()
     paths.append(directory / "memory_over_steps.png")
     figure.savefig(paths[-1], dpi=100)
     plt.close(figure)
 
     last = steps[-1] if steps else 0
-    figure, axis = plt.subplots(figsize=(8, 3.5))
+    figure, axis = plt.subplots(figsize=(9.5, 3.5))
     bottom = [0.0] * len(ranks)
     for category in CATEGORIES:
         heights = [_of_step(by_key, rank, last, category) for rank in ranks]
@@ -86,7 +86,7 @@ def write_plots(samples: Sequence[MemorySample], directory: Path) -> list[Path]:
     axis.set_xlabel("rank")
     axis.set_ylabel("MiB")
     axis.set_title(f"memory per rank at step {last}")
-    axis.legend(fontsize="small")
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     figure.tight_layout()
     paths.append(directory / "memory_per_rank.png")
     figure.savefig(paths[-1], dpi=100)
