@@ -90,9 +90,14 @@ def test_every_rank_and_phase_reach_the_csv_and_plots(profiled: list[dict[str, A
         with open(png, "rb") as image:
             assert image.read(8) == b"\x89PNG\r\n\x1a\n"
     assert profiled[1][stage]["files"] == []  # only rank 0 writes
+    steps = [row for row in rows if row["phase"] == "step"]
+    backward = [row for row in rows if row["phase"] == "backward"]
     if stage == 3:  # stage 3 gathers units for forward and backward and frees them after
-        steps = [row for row in rows if row["phase"] == "step"]
         assert all(int(row["params_gathered"]) == 0 for row in steps)
+    # Gradient buffers: stage 2 frees each bucket's once reduced, stage 3 each unit's; both exist
+    # during backward (the last ones reduce at the step).
+    assert all(int(row["grads_buffers"]) == 0 for row in steps)
+    assert all(0 < int(row["grads_buffers"]) <= int(row["grads_device"]) for row in backward)
 
 
 def test_metrics_reach_the_logger(profiled: list[dict[str, Any]]) -> None:
@@ -113,6 +118,17 @@ def test_estimate_beside_the_measurement(profiled: list[dict[str, Any]]) -> None
         measured = sum(last[k] for k in ("params_device", "params_host", "grads_device", "grads_host",
                                          "optimizer_device", "optimizer_host"))
         assert measured == pytest.approx(estimate.model_states, rel=0.05)
+
+
+def test_cuda_snapshot_without_cuda_warns(tmp_path: Any) -> None:
+    """On a CPU run the snapshot option says it records nothing (and training goes on)."""
+    profiler = ZeroMemoryProfiler(cuda_snapshot_steps=2, plots=False, log_metrics=False)
+    with pytest.warns(UserWarning, match="cuda_snapshot_steps=...\\) needs CUDA"):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[profiler], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=str(tmp_path))
+        trainer.fit(TinyGPT(width=16), train_dataloaders=loader())
+    assert len(profiler.samples) == 2 * 3  # one rank, two batches, three phases
 
 
 def test_bad_arguments() -> None:

@@ -27,12 +27,14 @@ class MemorySample:
     phase: str
     params_device: int
     params_host: int
-    params_gathered: int  # stage 3: units gathered whole right now
+    params_gathered: int  # stage 3: units gathered whole right now (also counted in params_device)
     grads_device: int
     grads_host: int
+    grads_buffers: int  # of the gradients: the local bucket/unit buffers not yet reduced into shards
     optimizer_device: int
     optimizer_host: int
     activations: int | None  # saved for backward by this step's forward (forward phase)
+    other: int | None  # CUDA: what the allocator holds beyond model state and activations
     allocated: int | None  # CUDA: torch.cuda.memory_allocated
     peak_allocated: int | None  # CUDA: the peak since the previous phase
     reserved: int | None  # CUDA: torch.cuda.memory_reserved
@@ -72,18 +74,30 @@ def sample_memory(step: int, rank: int, phase: str, module: nn.Module, optimizer
     cuda = device.type == "cuda" and torch.cuda.is_available()
     stats = torch.cuda.memory_stats(device) if cuda else {}
     rss, peak = process_memory()
+    allocated = stats.get("allocated_bytes.all.current") if cuda else None
+    other = None
+    if allocated is not None:
+        other = allocated - on_device.params - on_device.grads - on_device.optimizer_states - (activations or 0)
     return MemorySample(
         step=step, rank=rank, phase=phase,
         params_device=on_device.params, params_host=on_host.params, params_gathered=gathered,
-        grads_device=on_device.grads, grads_host=on_host.grads,
+        grads_device=on_device.grads, grads_host=on_host.grads, grads_buffers=gradient_buffer_bytes(engine),
         optimizer_device=on_device.optimizer_states, optimizer_host=on_host.optimizer_states,
-        activations=activations,
-        allocated=stats.get("allocated_bytes.all.current") if cuda else None,
+        activations=activations, other=other,
+        allocated=allocated,
         peak_allocated=peak_allocated,
         reserved=stats.get("reserved_bytes.all.current") if cuda else None,
         alloc_retries=stats.get("num_alloc_retries") if cuda else None,
         rss=rss, peak_rss=peak,
     )
+
+
+def gradient_buffer_bytes(engine: Any) -> int:
+    """Bytes of the engine's local gradient buffers allocated now: each bucket's (stages 1/2; kept
+    at stage 1) or unit's (stage 3) gradient before it is reduced into this rank's shard."""
+    reductions = [bucket.reduction for layout in getattr(engine, "layouts", ()) for bucket in layout.buckets]
+    reductions += [unit.reduction for unit in getattr(engine, "units", ())]
+    return sum(r.grad.untyped_storage().nbytes() for r in reductions if r.grad is not None)
 
 
 def process_memory() -> tuple[int, int]:
@@ -126,4 +140,4 @@ class SavedActivations:
         return self.bytes
 
 
-__all__ = ["MemorySample", "PHASES", "SavedActivations", "process_memory", "sample_memory"]
+__all__ = ["MemorySample", "PHASES", "SavedActivations", "gradient_buffer_bytes", "process_memory", "sample_memory"]
