@@ -60,15 +60,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load_model(spec: str, kwargs: str) -> Any:
     """A parameter count, or the module a ``module.path:factory`` builds (on the meta device)."""
+    if ":" in spec:
+        return _build(spec, kwargs)
     try:
-        return int(float(spec)) if ":" not in spec else _build(spec, kwargs)
-    except ValueError as error:
-        raise ValueError(f"MODEL={spec!r} is neither a parameter count nor module.path:factory ({error}).") from error
+        count = float(spec)
+        if not count.is_integer():
+            raise ValueError
+        return int(count)
+    except (ValueError, OverflowError):
+        raise ValueError(f"MODEL={spec!r} is neither a whole parameter count (e.g. 7e9) nor module.path:factory.") \
+            from None
 
 
 def _build(spec: str, kwargs: str) -> Any:
     import importlib
     import json
+    import os
 
     import torch
 
@@ -78,17 +85,19 @@ def _build(spec: str, kwargs: str) -> Any:
         raise ValueError(f"--model-kwargs {kwargs!r} is not JSON: {error}") from error
     if not isinstance(options, dict):
         raise ValueError(f"--model-kwargs {kwargs!r} must be a JSON object of keyword arguments")
-
     path, _, name = spec.partition(":")
+    if os.getcwd() not in sys.path:  # the console script does not put the working directory there
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(path), name)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"cannot import {name!r} from {path!r}: {error}") from error
+    except Exception as error:  # noqa: BLE001 - any import failure is the user's module: a message, no traceback
+        raise ValueError(f"cannot import {name!r} from {path!r}: {type(error).__name__}: {error}") from error
     with torch.device("meta"):  # sizes only: nothing is allocated
         try:
             model = factory(**options)
-        except TypeError as error:
-            raise ValueError(f"{spec}(**{options}) failed: {error}; pass its arguments with --model-kwargs") from error
+        except Exception as error:  # noqa: BLE001 - as above
+            raise ValueError(f"{spec}(**{options}) failed on the meta device: {type(error).__name__}: {error}"
+                             " (pass its arguments with --model-kwargs)") from error
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"{spec} returned a {type(model).__name__}, not an nn.Module")
     return model

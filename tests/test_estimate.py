@@ -119,6 +119,8 @@ def test_activations_are_measured_from_one_micro_batch() -> None:
     assert small > 0 and 1.8 < large / small < 2.2
     estimate = estimate_memory(model, 2, ZeroConfig(stage=2), sample_batch=(tokens[:4], targets[:4]))
     assert estimate.device.activations == small
+    # bf16-true runs the module in bf16: the fp32 probe counts each floating activation at 2 bytes
+    assert 0.45 < measure_activations(model, (tokens[:4], targets[:4]), "bf16-true") / small < 0.55  # ints stay
     assert not any(p.grad is not None for p in model.parameters())  # the probe runs no backward
 
 
@@ -150,3 +152,6 @@ def test_estimate_command_prints_a_table(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["estimate", "models:Nothing"]) == 2
     assert "cannot import 'Nothing' from 'models'" in capsys.readouterr().err
     assert main(["estimate", "-3"]) == 2
+    for bad in ("inf", "1e400", "7.9"):
+        assert main(["estimate", bad]) == 2
+        assert "neither a whole parameter count" in capsys.readouterr().err

@@ -131,6 +131,50 @@ def test_cuda_snapshot_without_cuda_warns(tmp_path: Any) -> None:
     assert len(profiler.samples) == 2 * 3  # one rank, two batches, three phases
 
 
+def test_stage_3_activations_leave_out_the_gathered_units(profiled: list[dict[str, Any]]) -> None:
+    """The same forward saves the same activations at stage 2 and stage 3 (stage 3's gathered
+    weights are parameters, counted as params_gathered, not activations)."""
+    def forward(stage: int) -> list[int]:
+        return [s["activations"] for s in profiled[0][stage]["samples"] if s["phase"] == "forward"]
+
+    assert forward(2) == forward(3)
+
+
+class FailingAt(TinyGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx == 1:
+            raise ValueError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_alone(module: pl.LightningModule, profiler: ZeroMemoryProfiler, tmp: Any, **kwargs: Any) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[profiler], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp), **kwargs)
+    trainer.fit(module, train_dataloaders=loader())
+
+
+def test_accumulated_steps_are_sampled_once_each(tmp_path: Any) -> None:
+    profiler = ZeroMemoryProfiler(plots=False)
+    _fit_alone(TinyGPT(width=16), profiler, tmp_path, max_steps=3, accumulate_grad_batches=2)
+    assert [(s.step, s.phase) for s in profiler.samples] == [
+        (step, phase) for step in range(3) for phase in ("forward", "backward", "step")]
+
+
+def test_no_hook_outlives_a_failed_step(tmp_path: Any) -> None:
+    from lightning_zero.profiling.measure import storage_key
+
+    profiler = ZeroMemoryProfiler(plots=False)
+    with pytest.raises(ValueError, match="boom"):
+        _fit_alone(FailingAt(width=16), profiler, tmp_path, max_steps=3)
+    assert profiler._activations is None
+    seen: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(1) or t, lambda t: t):
+        (torch.ones(2, requires_grad=True) * torch.ones(2)).sum().backward()
+    assert seen  # ours is the only hook left: the profiler's is gone
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged)
+    assert storage_key(nested) is None or isinstance(storage_key(nested), int)  # never raises
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="every_n_steps=0"):
         ZeroMemoryProfiler(every_n_steps=0)

@@ -25,7 +25,8 @@ MiB = 2**20
 
 
 class ZeroMemoryProfiler(Callback):
-    """Every rank's memory at three phases of every ``every_n_steps``-th training batch: after
+    """Every rank's memory at three phases of every ``every_n_steps``-th optimizer step (its last
+    micro-batch under gradient accumulation): after
     forward (with the activations its forward saved for backward), after backward (on CUDA the
     allocator's peak during it), after the optimizer step. Per phase: parameters (on the device,
     on the host, stage-3 units gathered whole), gradients, optimizer state (device / host), and
@@ -41,7 +42,7 @@ class ZeroMemoryProfiler(Callback):
     return at once.
 
     Args:
-        every_n_steps: sample every n-th training batch (the first one too).
+        every_n_steps: sample every n-th optimizer step (the first one too).
         output_dir: where the CSV, the plots and snapshots go.
         log_metrics: log the samples to the Trainer's loggers.
         plots: write the PNG plots (needs matplotlib: ``pip install lightning-zero[profiling]``).
@@ -70,10 +71,13 @@ class ZeroMemoryProfiler(Callback):
         self._snapshot_open = False
         self._out: Path | None = None
         self._step = 0  # the optimizer step the current batch runs (global_step at its start): all its phases
+        self._sampling = False  # whether the current batch is sampled
 
     # ------------------------------------------------------------------ which batches
+    # A sampled step is the last micro-batch of every n-th optimizer step (its forward, its
+    # backward, then the step). Every rank sees the same batch indices, so all sample together.
     def _sampled(self) -> bool:
-        return (self._batches - 1) % self.every_n_steps == 0
+        return self._sampling
 
     def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, phase: str, **extra: Any) -> None:
         strategy = trainer.strategy
@@ -100,12 +104,17 @@ class ZeroMemoryProfiler(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._stop_counting()
         self._batches += 1
-        if not self._sampled():
+        accumulate = trainer.accumulate_grad_batches
+        last_batch = trainer.num_training_batches
+        ends_window = (batch_idx + 1) % accumulate == 0 or (isinstance(last_batch, int) and batch_idx + 1 == last_batch)
+        self._sampling = ends_window and trainer.global_step % self.every_n_steps == 0
+        if not self._sampling:
             return
         self._step = trainer.global_step
         begin = time.perf_counter()
-        self._activations = SavedActivations(pl_module)
+        self._activations = SavedActivations(pl_module, getattr(trainer.strategy, "engine", None))
         self._activations.start()
         self.sampling_seconds += time.perf_counter() - begin
 
@@ -134,9 +143,7 @@ class ZeroMemoryProfiler(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._activations is not None:  # a step without backward (a skipped loss)
-            self._activations.stop()
-            self._activations = None
+        self._stop_counting()  # a step without backward (a skipped loss)
         if self._snapshot_open and self._batches >= self.cuda_snapshot_steps:
             self._dump_snapshot(trainer)
         if not self._sampled():
@@ -152,10 +159,34 @@ class ZeroMemoryProfiler(Callback):
         self.sampling_seconds += time.perf_counter() - begin
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_counting()
+        self._stop_history()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_counting()
+        self._stop_history()
+
+    def _stop_counting(self) -> None:
+        """No saved-tensor hook outlives its batch (an exception, a skipped batch)."""
+        if self._activations is not None:
+            self._activations.stop()
+            self._activations = None
+
+    def _stop_history(self) -> None:
+        if self._snapshot_open:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._snapshot_open = False
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._snapshot_open:
             self._dump_snapshot(trainer)
-        if trainer.global_rank != 0 or not self.samples:
+        if trainer.global_rank != 0:
+            return
+        if not self.samples:
+            Console().print("ZeroMemoryProfiler: no training batch was sampled (no CSV or plots written).")
             return
         directory = self._out if self._out is not None else Path(trainer.default_root_dir) / "memory"
         self.files = [write_csv(self.samples, directory / "memory.csv")]
@@ -206,8 +237,9 @@ class ZeroMemoryProfiler(Callback):
                 if key in ("step", "rank", "phase") or value is None:
                     continue
                 metrics[f"memory/rank{sample.rank}/{sample.phase}/{key}"] = value / MiB
+        step = samples[0].step if samples else trainer.global_step
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=step)  # the step the samples are labelled with
 
     def _directory(self, trainer: pl.Trainer) -> Path:
         if self.output_dir is not None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_zero.config import ZeroConfig
 
@@ -137,7 +137,9 @@ def estimate_memory(
             host.comm_buffers += p_bytes * on_host  # rounded parameters written by the CPU step
     else:
         params_on_host = config.offload_params is not None
-        (host if params_on_host else device).params += p_bytes * shard
+        persistent = _persistent_numel(model, config)  # whole on every rank, never offloaded
+        (host if params_on_host else device).params += p_bytes * math.ceil((numel - persistent) / n)
+        device.params += p_bytes * persistent
         # The parameter shard is the master when it is fp32 and on the master's device.
         shard_on_host = params_on_host and device_type != "cpu"
         for placed, part in ((device, on_device), (host, on_host)):
@@ -179,6 +181,14 @@ class _Bytes:
                                int(round(self.comm_buffers)), activations)
 
 
+def _persistent_numel(model: nn.Module | int, config: ZeroConfig) -> int:
+    """Stage 3: the elements of parameters under ``param_persistence_threshold`` (kept whole)."""
+    if not isinstance(model, nn.Module) or not config.param_persistence_threshold:
+        return 0
+    return sum(p.numel() for p in dict.fromkeys(model.parameters())
+               if p.requires_grad and p.numel() < config.param_persistence_threshold)
+
+
 def _largest_unit_numel(model: nn.Module | int, config: ZeroConfig, numel: int) -> int | None:
     """The largest stage-3 unit's elements, from the module's own unit choice (None for a count)."""
     if not isinstance(model, nn.Module):
@@ -203,19 +213,11 @@ def measure_activations(model: nn.Module | int, sample_batch: Any, precision: st
     autocast (the mixed modes) or dtype. Each storage counts once."""
     if not isinstance(model, nn.Module):
         raise ValueError("estimate_memory(sample_batch=...) needs the model itself, not a parameter count.")
-    seen: set[int] = set()
-    total = [0]
+    from lightning_zero.profiling.measure import SavedActivations
 
-    def pack(tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        # parameters are counted as parameters, not as activations
-        if key not in seen and not isinstance(tensor, nn.Parameter) and key not in parameter_storages:
-            seen.add(key)
-            total[0] += storage.nbytes()
-        return tensor
-
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # "-true" modes run the module in bf16/fp16: a probe of the (fp32) module counts each floating
+    # activation at that size instead of casting the user's weights.
+    counter = SavedActivations(model, dtype_bytes=PARAM_BYTES[precision] if precision.endswith("-true") else None)
     step: Callable[[], Any]
     if callable(getattr(type(model), "training_step", None)):  # a LightningModule (without importing Lightning)
         step = lambda: model.training_step(sample_batch, 0)  # noqa: E731
@@ -226,12 +228,14 @@ def measure_activations(model: nn.Module | int, sample_batch: Any, precision: st
         if precision.endswith("-mixed") else torch.autocast(device_type, enabled=False)
     was_training = model.training
     model.train()
+    counter.start()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), context, _quiet_log(model):
+        with context, _quiet_log(model):
             step()
     finally:
+        counter.stop()
         model.train(was_training)
-    return total[0]
+    return counter.bytes
 
 
 class _quiet_log:

@@ -113,23 +113,34 @@ def process_memory() -> tuple[int, int]:
 
 class SavedActivations:
     """Counts what autograd saves for backward between :meth:`start` and :meth:`stop` (each
-    storage once, parameters excluded): the activations a step's forward keeps."""
+    storage once; parameters, and stage-3 units gathered whole, excluded): the activations a
+    step's forward keeps. ``dtype_bytes`` counts floating tensors at that element size instead
+    (a probe in fp32 of a run in bf16-true)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self._parameters = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
-        self._seen: set[int] = set()
+    def __init__(self, module: nn.Module, engine: Any = None, dtype_bytes: int | None = None) -> None:
+        self._parameters = {storage_key(p) for p in module.parameters() if p.numel()}
+        self._units = list(getattr(engine, "units", ()))
+        self._dtype_bytes = dtype_bytes
+        self._seen: set[int | None] = set()
         self.bytes = 0
         self._hooks: Any = None
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._seen and key not in self._parameters and not isinstance(tensor, nn.Parameter):
-            self._seen.add(key)
-            self.bytes += storage.nbytes()
+        key = storage_key(tensor)
+        if key is None or key in self._seen or key in self._parameters or isinstance(tensor, nn.Parameter):
+            return tensor
+        # A gathered unit's storage exists only while it is gathered: looked up now.
+        if any(storage_key(unit.full) == key for unit in self._units):
+            return tensor
+        self._seen.add(key)
+        size = _local(tensor).untyped_storage().nbytes()
+        if self._dtype_bytes is not None and tensor.is_floating_point():
+            size = size // tensor.element_size() * self._dtype_bytes
+        self.bytes += size
         return tensor
 
     def start(self) -> None:
+        self.stop()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
         self._hooks.__enter__()
 
@@ -140,4 +151,20 @@ class SavedActivations:
         return self.bytes
 
 
-__all__ = ["MemorySample", "PHASES", "SavedActivations", "gradient_buffer_bytes", "process_memory", "sample_memory"]
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local part (what this rank stores); the tensor itself otherwise."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def storage_key(tensor: Tensor) -> int | None:
+    """The address of the storage ``tensor`` lives in; None where it has none to read (a nested or
+    fake tensor)."""
+    try:
+        storage = _local(tensor).untyped_storage()
+        return storage.data_ptr() if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+__all__ = ["MemorySample", "PHASES", "SavedActivations", "gradient_buffer_bytes", "process_memory", "sample_memory",
+           "storage_key"]
