@@ -288,28 +288,9 @@ class ZeroConfig:
                 "ZeroConfig.offload_params without offload_optimizer would move every shard to the device for the"
                 " optimizer step; offload the optimizer too (offload_optimizer=CPUOffloadPolicy())."
             )
-        if isinstance(self.parallel, dict):  # YAML / LightningCLI give a mapping
-            known = {f.name for f in fields(ParallelConfig)}
-            unknown = sorted(set(self.parallel) - known)
-            if unknown:
-                raise ValueError(f"Unknown ZeroConfig.parallel field(s) {unknown}; valid fields are {sorted(known)}.")
-            object.__setattr__(self, "parallel", ParallelConfig(**self.parallel))
-        elif not isinstance(self.parallel, ParallelConfig):
-            raise ValueError(
-                f"ZeroConfig.parallel={self.parallel!r} must be a ParallelConfig, e.g. ParallelConfig(tensor=2)"
-                " (in YAML: parallel: {tensor: 2})."
-            )
-        if isinstance(self.pipeline, dict):  # YAML / LightningCLI give a mapping
-            known = {f.name for f in fields(PipelineConfig)}
-            unknown = sorted(set(self.pipeline) - known)
-            if unknown:
-                raise ValueError(f"Unknown ZeroConfig.pipeline field(s) {unknown}; valid fields are {sorted(known)}.")
-            object.__setattr__(self, "pipeline", PipelineConfig(**self.pipeline))
-        elif not isinstance(self.pipeline, PipelineConfig):
-            raise ValueError(
-                f"ZeroConfig.pipeline={self.pipeline!r} must be a PipelineConfig, e.g. PipelineConfig(size=2)"
-                " (in YAML: pipeline: {size: 2, schedule: 1f1b, microbatches: 8})."
-            )
+        _nested(self, "parallel", ParallelConfig, "ParallelConfig(tensor=2) (in YAML: parallel: {tensor: 2})")
+        _nested(self, "pipeline", PipelineConfig,
+                "PipelineConfig(size=2) (in YAML: pipeline: {size: 2, schedule: 1f1b, microbatches: 8})")
         if self.pipeline.enabled and self.stage == 3:
             raise ValueError(
                 f"ZeroConfig(stage=3) cannot be combined with pipeline parallelism (pipeline.size={self.pipeline.size}):"
@@ -335,6 +316,20 @@ class ZeroConfig:
         if unknown:
             raise ValueError(f"Unknown ZeroConfig field(s) {unknown}; valid fields are {sorted(known)}.")
         return cls(**values)
+
+
+def _nested(config: ZeroConfig, name: str, cls: type, example: str) -> None:
+    """A nested config field: YAML / LightningCLI give a mapping, which becomes ``cls`` (naming any
+    key that is not one of its fields); anything else but a ``cls`` is refused."""
+    value = getattr(config, name)
+    if isinstance(value, dict):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"Unknown ZeroConfig.{name} field(s) {unknown}; valid fields are {sorted(known)}.")
+        object.__setattr__(config, name, cls(**value))
+    elif not isinstance(value, cls):
+        raise ValueError(f"ZeroConfig.{name}={value!r} must be a {cls.__name__}, e.g. {example}.")
 
 
 def _check_type(name: str, value: Any, expected: type) -> None:
