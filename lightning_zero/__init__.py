@@ -6,7 +6,8 @@ variants) with Lightning, so ``Trainer(strategy="zero2")`` works. Importing neve
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.callbacks import ZeroMemoryProfiler
+from lightning_zero.autotuning import SearchSpace, TuningError
+from lightning_zero.callbacks import ZeroAutotuner, ZeroMemoryProfiler, ZeroTuner
 from lightning_zero.checkpoint import CheckpointError, consolidate
 from lightning_zero.config import ParallelConfig, PipelineConfig, ZeroConfig
 from lightning_zero.offload import CPUOffloadPolicy
@@ -47,11 +48,15 @@ __all__ = [
     "ParallelConfig",
     "PipelineConfig",
     "RanksDisagreeError",
+    "SearchSpace",
+    "TuningError",
+    "ZeroAutotuner",
     "ZeroConfig",
     "ZeroMemoryProfiler",
     "ZeroOptimizer",
     "ZeroPrecision",
     "ZeroStrategy",
+    "ZeroTuner",
     "consolidate",
     "estimate_memory",
     "model_state_bytes",

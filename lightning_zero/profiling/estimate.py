@@ -22,7 +22,8 @@ stage      parameters          gradients             optimizer state (master + K
   ``offload_params`` (stage 3) the parameter shards too. With bf16/fp16 parameters an offloaded
   step writes its rounded result into a host staging buffer (P Ψ/N, a communication buffer).
 - stage 3 gathers a unit's parameters whole for its forward and backward: (1 + prefetch) of the
-  largest units at once (P each), and reduces a unit's gradient (R) before it is scattered.
+  largest units at once (P each; at most the whole model), and reduces a unit's gradient (R)
+  before it is scattered.
 
 These are the tensors :func:`~lightning_zero.zero.accounting.model_state_bytes` counts for
 parameters, gradients and optimizer state (the tests compare the two on 2 and 4 ranks); padding
@@ -153,7 +154,9 @@ def estimate_memory(
                          " (ZeroConfig.min_unit_numel)")
         prefetch = config.prefetch_units if config.prefetch_bytes is None else max(
             0, config.prefetch_bytes // max(1, p_bytes * unit))
-        device.comm_buffers += p_bytes * unit * (1 + prefetch) + r_bytes * unit
+        # The unit being computed and those prefetched, but never more than the whole model.
+        gathered = min(numel - persistent, unit * (1 + prefetch))
+        device.comm_buffers += p_bytes * gathered + r_bytes * unit
         if config.offload_optimizer is not None and p_bytes < MASTER_BYTES and not shard_on_host \
                 and device_type != "cpu":
             host.comm_buffers += p_bytes * on_host  # rounded parameters written by the CPU step (a shard on the host is its own)
