@@ -11,12 +11,13 @@ from typing import Any
 from lightning_zero.checkpoint.consolidate import DTYPES, consolidate
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_zero.autotuning.space import OFFLOADS, parse_bytes
 from lightning_zero.checkpoint.checksums import CheckpointError, reason
 from lightning_zero.config import ZeroConfig
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-zero", description="Tools for lightning_zero checkpoints and memory.")
+    parser = argparse.ArgumentParser(prog="lightning-zero", description="Tools for lightning_zero checkpoints, memory and tuning.")
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser(
         "consolidate",
@@ -55,7 +56,71 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--prefetch-units", type=int, default=ZeroConfig.prefetch_units)
     estimate.add_argument("--min-unit-numel", type=int, default=ZeroConfig.min_unit_numel)
     estimate.add_argument("--optimizer-moments", type=int, default=2, help="fp32 state per element (Adam: 2)")
+    tune = commands.add_parser(
+        "tune",
+        help="run a LightningCLI script's fit with ZeroAutotuner: the fastest ZeRO configuration that fits,"
+             " written as YAML",
+        description="Runs SCRIPT (a LightningCLI script; its ranks start as its own `fit` would start them) with"
+        " lightning_zero.ZeroAutotuner added to its callbacks: short trials of ZeRO stages, offload, micro-batch"
+        " and bucket sizes inside the one launch, then the fastest configuration that fits in the budget is written"
+        " as that run's whole config (train it with `SCRIPT fit --config OUTPUT`). Any argument after SCRIPT goes to"
+        " it, e.g. `lightning-zero tune --budget 8GiB train.py --config run.yaml`.",
+    )
+    tune.add_argument("--budget", help="bytes per rank, e.g. 8GiB (default: the device's memory; on CPU the host's,"
+                                       " shared by its ranks)")
+    tune.add_argument("--output", default="zero_tuned.yaml", help="where the tuned config is written")
+    tune.add_argument("--method", choices=["fast", "grid"], default="fast", help="grid: try every configuration")
+    tune.add_argument("--micro-batch-sizes", type=int, nargs="+", help="micro-batch sizes to consider")
+    tune.add_argument("--stages", type=int, nargs="+", choices=[1, 2, 3], help="ZeRO stages to consider")
+    tune.add_argument("--offload", nargs="+", choices=list(OFFLOADS), help="offload choices to consider")
+    tune.add_argument("--warmup-steps", type=int, default=2, help="steps each trial runs before measuring")
+    tune.add_argument("--measure-steps", type=int, default=3, help="steps each trial measures")
+    tune.add_argument("--apply", action="store_true", help="train on with the best configuration in the same run")
+    tune.add_argument("script", help="the LightningCLI script (e.g. examples/gpt/train.py)")
+    tune.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (its `fit` subcommand's)")
     return parser
+
+
+def _tune(args: argparse.Namespace) -> int:
+    """Runs the script in this process, as `python SCRIPT fit ...` with the autotuner's arguments
+    appended, so that Lightning's launcher starts the other ranks with the same command line."""
+    import os
+    import runpy
+    from pathlib import Path
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise ValueError(f"SCRIPT={args.script!r} is not a file: give the LightningCLI script to tune, e.g."
+                         " examples/gpt/train.py.")
+    if args.budget is not None:
+        parse_bytes(args.budget, "--budget")
+    for name in ("warmup_steps", "measure_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1.")
+    rest = list(args.script_args)
+    if not rest or rest[0].startswith("-"):
+        rest = ["fit", *rest]
+    if rest[0] != "fit":
+        raise ValueError(f"lightning-zero tune runs the script's `fit`, not {rest[0]!r}: drop it, or write `fit`.")
+    prefix = "--trainer.callbacks"
+    extra = [f"{prefix}+=lightning_zero.ZeroAutotuner", f"{prefix}.exit_on_error=true",
+             f"{prefix}.output={args.output}", f"{prefix}.method={args.method}", f"{prefix}.apply={str(args.apply).lower()}",
+             f"{prefix}.warmup_steps={args.warmup_steps}", f"{prefix}.measure_steps={args.measure_steps}"]
+    if args.budget is not None:
+        extra.append(f"{prefix}.budget={args.budget}")
+    for name, values in (("micro_batch_sizes", args.micro_batch_sizes), ("stages", args.stages),
+                         ("offload", args.offload)):
+        if values:
+            extra.append(f"{prefix}.space.{name}=[{','.join(map(str, values))}]")
+    sys.argv = [str(script), *rest, *extra]
+    sys.path.insert(0, str(script.resolve().parent))
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit:
+        return exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    return 0
 
 
 def _load_model(spec: str, kwargs: str) -> Any:
@@ -147,6 +212,12 @@ def _estimate(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "tune":
+        try:
+            return _tune(args)
+        except ValueError as error:
+            print(f"lightning-zero tune: error: {error}", file=sys.stderr)
+            return 2
     if args.command == "estimate":
         try:
             _estimate(args)

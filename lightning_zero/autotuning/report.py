@@ -93,7 +93,9 @@ def tuned_yaml(result: SearchResult, config: ZeroConfig, batch_section: str, bat
 def _strategy_entry(previous: Any, config: ZeroConfig) -> dict[str, Any]:
     init_args: dict[str, Any] = {}
     if isinstance(previous, dict) and str(previous.get("class_path", "")).endswith("ZeroStrategy"):
-        init_args = {k: v for k, v in (previous.get("init_args") or {}).items() if k not in ("stage", "config")}
+        # The user's own arguments; the Nones a config dump adds for the defaults are left out.
+        init_args = {k: v for k, v in (previous.get("init_args") or {}).items()
+                     if k not in ("stage", "config") and v is not None}
     elif isinstance(previous, str) and previous.endswith("_spawn"):
         init_args["start_method"] = "spawn"
     init_args["config"] = zero_config_fields(config)

@@ -10,9 +10,13 @@ is known about ZeRO's trade-offs:
    larger micro-batch than the best so far: it is tried at larger micro-batches only.
 2. Within a layout the estimator (:func:`~lightning_zero.estimate_memory`, with the activations
    per sample measured by the first trial) skips the micro-batches that cannot fit, even with
-   the knobs that need the least memory (smallest buckets, units, prefetch); the largest
+   the knobs that need the least memory (smallest buckets, units, prefetch), which a size that
+   did not fit with the base knobs is also tried with. The estimate is scaled by the ratio of
+   measured peak to estimate that the trials of the stage showed. The largest
    of the rest is tried first (it usually fits: the estimate is close), and if it does not, a
-   binary search finds the largest that does.
+   binary search finds the largest that does. Once the estimate has let a trial run out of
+   memory, a later layout first tries one size above the best so far (if that fails too, the
+   layout is done in one trial).
 3. Early stop: once a layout that fits a larger micro-batch is not faster than the best so far,
    the slower layouts after it are not tried.
 4. At the best configuration, each remaining knob (the next smaller micro-batch while it is
@@ -97,6 +101,7 @@ class _Search:
         self.units = space.unit_numels(base, numel)
         self.records: list[TrialRecord] = []
         self._done: dict[Candidate, TrialRecord] = {}
+        self._misses = 0  # trials that did not fit although the estimate let them run
         self._on_start, self._on_record = on_start, on_record
 
     def point(self, stage: int, offload: str, micro_batch_size: int) -> Candidate:
@@ -106,22 +111,44 @@ class _Search:
                          _nearest(self.space.prefetch_units, self.base.prefetch_units),
                          _nearest(self.units, self.base.min_unit_numel))
 
+    def estimate(self, candidate: Candidate) -> int | None:
+        """The runner's estimate, scaled by what the trials measured against it: per stage, the
+        largest ratio of a measured peak to the estimate (as the runner estimates it now), else
+        the largest of any stage; unscaled before any trial."""
+        raw = self.runner.estimate(candidate)
+        if raw is None:
+            return None
+        ratios: dict[int, float] = {}
+        for record in self.records:
+            if record.peak_bytes is None or not record.ran:
+                continue
+            then = self.runner.estimate(record.candidate)
+            if then:
+                stage = record.candidate.stage
+                ratios[stage] = max(ratios.get(stage, 0.0), record.peak_bytes / then)
+        scale = ratios.get(candidate.stage, max(ratios.values(), default=1.0))
+        return int(raw * scale)
+
+    def lean(self, candidate: Candidate) -> Candidate:
+        """``candidate`` with the knobs that need the least memory."""
+        if candidate.stage == 3:
+            return replace(candidate, prefetch_units=self.space.prefetch_units[0], min_unit_numel=self.units[0])
+        return replace(candidate, reduce_bucket_size=self.buckets[0])
+
     def fitting_point(self, stage: int, offload: str, micro_batch_size: int) -> Candidate:
         """The layout at a micro-batch with the base configuration's knobs, or, when the estimate
         says that does not fit, with the knobs that need the least memory (the smallest buckets,
         units and prefetch): a smaller bucket may be what lets a larger micro-batch fit."""
         point = self.point(stage, offload, micro_batch_size)
-        estimate = self.runner.estimate(point)
+        estimate = self.estimate(point)
         if estimate is None or estimate <= self.budget:
             return point
-        if stage == 3:  # the other knobs keep their values: a candidate names each configuration once
-            return replace(point, prefetch_units=self.space.prefetch_units[0], min_unit_numel=self.units[0])
-        return replace(point, reduce_bucket_size=self.buckets[0])
+        return self.lean(point)
 
     def try_(self, candidate: Candidate, prune: bool = True) -> TrialRecord:
         if candidate in self._done:
             return self._done[candidate]
-        estimate = self.runner.estimate(candidate)
+        estimate = self.estimate(candidate)
         if prune and estimate is not None and estimate > self.budget:
             record = TrialRecord(candidate, TrialStatus.SKIPPED, estimate_bytes=estimate,
                                  message=f"estimated {_mib(estimate)} > budget {_mib(self.budget)}")
@@ -134,6 +161,8 @@ class _Search:
             if record.fits and record.peak_bytes is not None and record.peak_bytes > self.budget:
                 record = replace(record, status=TrialStatus.OVER_BUDGET,
                                  message=f"peak {_mib(record.peak_bytes)} > budget {_mib(self.budget)}")
+            if not record.fits:
+                self._misses += 1  # the estimate (if any) said it would fit
         self._done[candidate] = record
         self.records.append(record)
         if self._on_record is not None:
@@ -148,12 +177,17 @@ class _Search:
             options = []
             for size in (s for s in self.space.micro_batch_sizes if s > floor):
                 candidate = self.fitting_point(stage, offload, size)
-                estimate = self.runner.estimate(candidate)
+                estimate = self.estimate(candidate)
                 if estimate is not None and estimate > self.budget:
                     self.try_(candidate)  # recorded as skipped; larger ones need more memory still
                     break
                 options.append(candidate)
-            found = self.largest_fitting(options)
+            if self._misses and best is not None and options:
+                # The estimate missed an OOM already: a step up is worth one trial before the largest.
+                first = self.try_(options[0])
+                found = (self.largest_fitting(options[1:]) or first) if first.fits else None
+            else:
+                found = self.largest_fitting(options)
             if found is None:
                 continue
             if best is not None and _speed(found) <= _speed(best):
@@ -169,6 +203,8 @@ class _Search:
         index = high
         while low <= high:
             record = self.try_(options[index])
+            if not record.fits and self.lean(options[index]) != options[index]:
+                record = self.try_(self.lean(options[index]))  # a smaller bucket or unit may be what fits
             if record.fits:
                 found, low = record, index + 1
                 index = (low + high + 1) // 2
@@ -183,7 +219,7 @@ class _Search:
         return found
 
     def _foreseen(self, candidate: Candidate) -> bool:
-        estimate = self.runner.estimate(candidate)
+        estimate = self.estimate(candidate)
         return estimate is not None and estimate > self.budget
 
     def refine(self, best: TrialRecord) -> TrialRecord:

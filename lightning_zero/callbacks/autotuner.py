@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -122,7 +123,7 @@ class ZeroAutotuner(Callback):
             if not self.exit_on_error:
                 raise
             if trainer.global_rank == 0:
-                Console(stderr=True).print(f"lightning-zero tune: error: {error}", markup=False, highlight=False)
+                print(f"lightning-zero tune: error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
         if not self.apply:
             _exit_fit()

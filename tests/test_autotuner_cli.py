@@ -1,0 +1,54 @@
+"""``lightning-zero tune`` on the demo's LightningCLI script (2 CPU ranks started by Lightning's own
+launcher): a budget too small exits 2 with a message and no traceback; a search writes the run's
+config with the tuned strategy and micro-batch, which the script then trains."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "gpt" / "train.py"
+CONFIG = ROOT / "examples" / "gpt" / "configs" / "zero2_cpu.yaml"
+
+
+def _env() -> dict[str, str]:
+    # A rank's variables left by another test would make Lightning think the ranks already exist.
+    return {k: v for k, v in os.environ.items()
+            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def _tune(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "lightning_zero.cli", "tune", *args, str(SCRIPT), "--config", str(CONFIG)]
+    return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_a_budget_below_every_configuration_is_a_message_and_exit_2(tmp_path: Path) -> None:
+    done = _tune(tmp_path, "--budget", "1MiB", "--output", "tuned.yaml")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "lightning-zero tune: error: the budget of 1.0 MiB per rank is smaller than every configuration" \
+        in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "tuned.yaml").exists()
+
+
+def test_tune_writes_a_config_the_script_trains(tmp_path: Path) -> None:
+    done = _tune(tmp_path, "--budget", "2GiB", "--micro-batch-sizes", "8", "16", "--stages", "1", "2", "--offload",
+                 "none", "--measure-steps", "2", "--output", "tuned.yaml")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "lightning_zero autotuner (fast)" in done.stdout and "wrote tuned.yaml" in done.stdout
+    tuned = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
+    config = tuned["trainer"]["strategy"]["init_args"]["config"]
+    assert tuned["trainer"]["strategy"]["class_path"] == "lightning_zero.ZeroStrategy"
+    assert config["stage"] in (1, 2) and tuned["data"]["batch_size"] in (8, 16)
+    assert not any("ZeroAutotuner" in str(c) for c in tuned["trainer"]["callbacks"])
+    assert tuned["model"]["n_layer"] == 4  # the rest of the run's config is kept
+    train = subprocess.run([sys.executable, str(SCRIPT), "fit", "--config", "tuned.yaml", "--trainer.max_steps=2",
+                            "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1"],
+                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in train.stdout + train.stderr
