@@ -19,11 +19,11 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 
 from harness import launched_environment, run_on_ranks
-from tune_models import Blocks, BlocksData, DataBlocks
+from tune_models import Blocks, BlocksData, DataBlocks, HFGPT2
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.autotuning import SearchSpace, TuningError
-from lightning_zero.callbacks.autotuner import TrialError, ZeroAutotuner
+from lightning_zero.callbacks.autotuner import TrialError, ZeroAutotuner, ZeroTuner
 from lightning_zero.profiling import estimate_memory
 
 WORLD = 2
@@ -96,8 +96,8 @@ def _error_scenario(tmp: str) -> dict[str, Any]:
 
 def _small_budget_scenario(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, budget, fault in (("tiny", "1MiB", None), ("all_oom", "4GiB", "oom")):
-        path = os.path.join(tmp, f"{name}.yaml")
+    for name, budget, fault in (("tiny", "1MiB", None), ("all_oom", "4GiB", "oom"), ("unwritable", "4GiB", None)):
+        path = os.path.join(tmp, f"{name}.yaml") if name != "unwritable" else "/proc/no-such-dir/tuned.yaml"
         tuner = ZeroAutotuner(budget=budget, space=SearchSpace(micro_batch_sizes=(8, 16), stages=(1, 3),
                                                                offload=("none",)), output=path)
         module = Blocks(fault=fault, fault_at=1, batch_size=4)
@@ -172,12 +172,24 @@ def _cli_scenario(tmp: str) -> dict[str, Any]:
             "seen": trained.model.seen_batch_sizes, "tuning_steps": tuning.trainer.global_step}
 
 
+def _hugging_face_scenario(tmp: str) -> dict[str, Any]:
+    """ZeroTuner (the Tuner-like entry point) over a Hugging Face model, stages 2 and 3."""
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy="zero2", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with launched_environment():
+        result = ZeroTuner(trainer).tune(HFGPT2(), budget="4GiB", output=os.path.join(tmp, "hf.yaml"), progress=False,
+                                         space=SearchSpace(micro_batch_sizes=(2, 4), stages=(2, 3), offload=("none",)))
+    assert result is not None
+    return {"rows": [(r.candidate, r.status.value) for r in result.records], "best": result.best.candidate,
+            "callbacks": [type(c).__name__ for c in trainer.callbacks], "steps": trainer.global_step}
+
+
 def _scenarios(tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     return {name: scenario(tmp) for name, scenario in (
         ("budget", _budget_scenario), ("oom", _oom_scenario), ("error", _error_scenario),
         ("small", _small_budget_scenario), ("apply", _apply_scenario), ("released", _released_scenario),
-        ("cli", _cli_scenario),
+        ("cli", _cli_scenario), ("hf", _hugging_face_scenario),
     )}
 
 
@@ -230,21 +242,24 @@ def test_oom_on_one_rank_is_recorded_on_both_and_the_search_goes_on(tuned: list[
 def test_another_error_on_one_rank_stops_the_search_on_every_rank(tuned: list[dict[str, Any]]) -> None:
     failing, other = tuned[1]["error"], tuned[0]["error"]
     assert failing["type"] == "ValueError" and "injected failure at micro-batch 8" in failing["message"]
-    assert other["type"] == "TrialError"
+    assert other["type"] == TrialError.__name__
     assert "rank 1" in other["message"] and "ValueError: injected failure" in other["message"]
     for rank in tuned:
         assert not rank["error"]["written"]
         assert rank["error"]["batch_size"] == 4 and rank["error"]["stage"] == 2  # nothing applied
 
 
-def test_a_budget_below_every_configuration_and_a_model_that_never_fits(tuned: list[dict[str, Any]]) -> None:
+def test_a_budget_below_every_configuration_a_model_that_never_fits_and_an_unwritable_output(tuned: list[dict[str, Any]]) -> None:
     for rank in tuned:
         tiny, all_oom = rank["small"]["tiny"], rank["small"]["all_oom"]
         assert tiny["type"] == "TuningError" and "smaller than every configuration's estimated memory" in tiny["message"]
         assert "1.0 MiB" in tiny["message"]
         assert all_oom["type"] == "TuningError" and "no configuration fits" in all_oom["message"]
         assert "OOM" in all_oom["message"]
-        for case in (tiny, all_oom):
+        unwritable = rank["small"]["unwritable"]
+        assert unwritable["type"] == "TuningError" and "could not write /proc/no-such-dir/tuned.yaml" \
+            in unwritable["message"]  # on every rank, not only the one that writes
+        for case in (tiny, all_oom, unwritable):
             assert not case["written"] and case["batch_size"] == 4 and case["config"] == ZeroConfig(stage=2)
 
 
@@ -277,3 +292,11 @@ def test_the_written_yaml_trains_when_passed_back_to_lightning_cli(tuned: list[d
         assert rank["cli"]["config"] == best.zero_config(ZeroConfig(stage=2))
         assert rank["cli"]["steps"] == 2 and rank["cli"]["batch_size"] == best.micro_batch_size
         assert rank["cli"]["seen"] == [best.micro_batch_size] * 2
+
+
+def test_zero_tuner_tunes_a_hugging_face_model(tuned: list[dict[str, Any]]) -> None:
+    hf = tuned[0]["hf"]
+    assert hf["rows"] == tuned[1]["hf"]["rows"]
+    assert hf["best"].micro_batch_size == 4
+    assert all(status == "fits" for _, status in hf["rows"])
+    assert "ZeroAutotuner" not in hf["callbacks"] and hf["steps"] == 0  # the tuner's callback is gone again

@@ -361,3 +361,27 @@ def test_bad_input_gets_clear_errors() -> None:
         assert "'head.weight' was replaced after ZeRO-3 sharded the model" in errors["replaced"]
         assert errors["unused"] == "no error"  # skipped like torch.optim does: see test_no_grad_params.py
         assert "['Block']" in errors["no_such_unit"] and "TransformerEncoderLayer" in errors["no_such_unit"]
+
+
+def test_a_container_without_forward_is_never_a_unit() -> None:
+    """A model that loops over a ModuleList (as the demo GPT does) never calls the list's forward:
+    were the list a unit, its parameters would stay shards in forward ("weight of shape [64]")."""
+    from lightning_zero.zero.stage3.partition import choose_unit_modules
+
+    class Looping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(100, 100) for _ in range(4))  # 10,100 each
+            self.table = nn.ModuleDict({"a": nn.Linear(100, 100)})
+            self.head = nn.Linear(100, 10)
+
+        def forward(self, x: Tensor) -> Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.table["a"](x))
+
+    model = Looping()
+    units = choose_unit_modules(model, (), 20_000)  # no block alone; the list's 40,400 would be
+    assert set(units) == {""}
+    units = choose_unit_modules(model, (), 10_000)
+    assert set(units) == {"", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "table.a"}

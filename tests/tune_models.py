@@ -86,3 +86,25 @@ class BlocksData(pl.LightningDataModule):
 def data(samples: int, width: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(samples, TOKENS, width, generator=generator))
+
+
+class HFGPT2(pl.LightningModule):
+    """A Hugging Face GPT-2 (built from a small config) as users wrap one."""
+
+    def __init__(self, batch_size: int = 2, samples: int = 128) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=32))
+        self.batch_size, self.samples = batch_size, samples
+
+    def training_step(self, batch: tuple[Tensor], batch_idx: int) -> Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 128, (self.samples, 32), generator=generator)
+        return DataLoader(TensorDataset(tokens), batch_size=self.batch_size)

@@ -126,7 +126,7 @@ class ZeroAutotuner(Callback):
                 print(f"lightning-zero tune: error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
         if not self.apply:
-            _exit_fit()
+            _exit_fit(trainer)
 
     def _tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -158,17 +158,26 @@ class ZeroAutotuner(Callback):
             display.console.print(f"best: {result.best.candidate.label}: {result.best.samples_per_sec:.1f} samples/s"
                                   f" in {result.trials} trial(s)")
         if self.output is not None:
-            self.written = self._write(trainer, result, best_config, batch)
+            failure = None
+            if trainer.global_rank == 0:
+                try:
+                    self.written = self._write(trainer, result, best_config, batch)
+                except OSError as error:
+                    failure = f"ZeroAutotuner could not write {self.output}: {error}. Give output= a writable path."
+            else:
+                self.written = self.output
+            failure = strategy.broadcast(failure, src=0)  # every rank stops, or none: no rank left waiting
+            if failure is not None:
+                batch.restore()
+                raise TuningError(failure)
         if self.apply:
             strategy.config = best_config
             batch.set(result.best.candidate.micro_batch_size)
         else:
             batch.restore()
 
-    def _write(self, trainer: pl.Trainer, result: SearchResult, config: ZeroConfig, batch: _BatchSize) -> Path | None:
+    def _write(self, trainer: pl.Trainer, result: SearchResult, config: ZeroConfig, batch: _BatchSize) -> Path:
         assert self.output is not None
-        if trainer.global_rank != 0:
-            return self.output
         base = _cli_config(trainer)
         content = tuned_yaml(result, config, batch.section, self.batch_arg_name, base)
         best = result.best
@@ -203,10 +212,17 @@ class ZeroTuner:
         return tuner.result
 
 
-def _exit_fit() -> None:
-    """Ends the run after the search as Lightning's own Tuner does (its exit exception)."""
+def _exit_fit(trainer: pl.Trainer) -> None:
+    """Ends the run after the search as Lightning's own Tuner does (its exit exception, which
+    ``fit`` catches around its launcher). Ranks started by spawn/fork run ``fit``'s body inside
+    the launcher, where nothing would catch it: there the run trains on no batch instead."""
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
     from lightning.pytorch.utilities.exceptions import _TunerExitException
 
+    if isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
+        trainer.limit_train_batches = trainer.limit_val_batches = 0
+        trainer.num_sanity_val_steps = 0
+        return
     raise _TunerExitException()
 
 
@@ -395,8 +411,11 @@ class _TrialMeter(Callback):
     """Times the measured steps with Lightning's ``Throughput`` and samples memory during the
     warm-up steps (CUDA: the allocator's peak over the whole trial)."""
 
-    def __init__(self, warmup_steps: int, measure_steps: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, warmup_steps: int, measure_steps: int, world_size: int, device: torch.device,
+                 guard: TrialGuard, guard_latency: float) -> None:
         self.warmup_steps, self.measure_steps, self.device = warmup_steps, measure_steps, device
+        self.guard, self.guard_latency = guard, guard_latency
+        self._exchanges_at_start = 0
         self.world_size = world_size
         self.throughput: Throughput | None = None
         self.peak_bytes = 0
@@ -465,12 +484,17 @@ class _TrialMeter(Callback):
             if trainer.global_step >= self.warmup_steps:  # the last warm-up batch: the clock starts
                 self._sync()
                 self._start = time.perf_counter()
+                self._exchanges_at_start = self.guard.exchanges
                 self.throughput.update(time=0.0, batches=0, samples=0)
             return
         self._sync()
         self._batches += 1
         self._samples += extract_batch_size(batch)
-        self.throughput.update(time=time.perf_counter() - self._start, batches=self._batches, samples=self._samples)
+        elapsed = time.perf_counter() - self._start
+        # The guard's own exchanges are not the configuration's (see [Note: a trial that fails on one rank]).
+        guarded = (self.guard.exchanges - self._exchanges_at_start) * self.guard_latency
+        self.throughput.update(time=max(elapsed - guarded, 0.5 * elapsed), batches=self._batches,
+                               samples=self._samples)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -519,9 +543,11 @@ class _TrialRunner:
         self.numel = sum(p.numel() for p in self.pristine.parameters() if p.requires_grad)
         self.activation_bytes_per_sample: float | None = None
         self.guard: TrialGuard | None = None
+        self.guard_latency = 0.0
 
     def __enter__(self) -> _TrialRunner:
         self.guard = TrialGuard()
+        self.guard_latency = self.guard.measure_latency()
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
@@ -605,7 +631,8 @@ class _TrialRunner:
             process_group_backend=strategy.process_group_backend, timeout=strategy._timeout,
             state_dict_type=strategy.state_dict_type,
         )
-        meter = _TrialMeter(self.warmup_steps, self.measure_steps, strategy.world_size, self.device)
+        meter = _TrialMeter(self.warmup_steps, self.measure_steps, strategy.world_size, self.device, guard,
+                            self.guard_latency)
         devices: Any = [d.index for d in strategy.parallel_devices] if self.device.type == "cuda" \
             else len(strategy.parallel_devices)
         with _quiet_trials():

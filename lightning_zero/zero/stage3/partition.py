@@ -133,7 +133,8 @@ def choose_unit_modules(module: nn.Module, unit_classes: Sequence[str], min_unit
     bottom-up among the root's children and the elements of containers (ModuleList, Sequential,
     ModuleDict), the modules a forward calls as a whole: a module nested deeper may have its
     parameters read by its parent without its own forward running (e.g. MultiheadAttention's
-    out_proj), so no hook of its own would gather them. A candidate becomes a unit once the
+    out_proj), so no hook of its own would gather them; a container without a forward of its own
+    (ModuleList, ModuleDict) is never one, since no hook of its would run. A candidate becomes a unit once the
     parameters under it that no smaller unit took reach ``min_unit_numel``; small modules are
     grouped into their parent's unit.
     """
@@ -163,7 +164,10 @@ def choose_unit_modules(module: nn.Module, unit_classes: Sequence[str], min_unit
             if param not in taken:
                 taken.add(param)
                 free += param.numel()
-        if prefix and eligible and free >= min_unit_numel:
+        # A ModuleList or ModuleDict has no forward: its hooks would never run, so its parameters
+        # go up to the enclosing unit (the elements themselves may still be units).
+        has_forward = type(submodule).forward is not nn.Module.forward
+        if prefix and eligible and has_forward and free >= min_unit_numel:
             units[prefix] = submodule
             return 0
         return free
