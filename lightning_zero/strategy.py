@@ -163,9 +163,10 @@ class ZeroStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self._collectives = collectives
-        self._restore_lr_scheduler_step: Callable[[], Any] = lambda: None
-        self._restore_optimizer_zero_grad: Callable[[], Any] = lambda: None
-        self._zero_grad_of_window: Callable[..., Any] = lambda *args: None  # the module's own optimizer_zero_grad
+        # Module-level no-ops, not lambdas: a spawn/fork launcher pickles the strategy.
+        self._restore_lr_scheduler_step: Callable[[], Any] = _do_nothing
+        self._restore_optimizer_zero_grad: Callable[[], Any] = _do_nothing
+        self._zero_grad_of_window: Callable[..., Any] = _do_nothing  # the module's own optimizer_zero_grad
         self._engine: ZeroEngine | None = None
         # The mesh and its groups, when config.parallel asks for more than plain ZeRO (see [Note: one mesh]).
         self._parallel: ParallelGroups | None = None
@@ -1066,6 +1067,10 @@ class ZeroStrategy(ParallelStrategy):
                 config=ZeroConfig(stage=stage),
                 start_method="spawn",
             )
+
+
+def _do_nothing(*args: Any) -> None:
+    pass
 
 
 def _resolve_config(stage: int | None, config: ZeroConfig | Mapping[str, Any] | None) -> ZeroConfig:

@@ -52,3 +52,18 @@ def test_tune_writes_a_config_the_script_trains(tmp_path: Path) -> None:
                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in train.stdout + train.stderr
+
+
+def test_ranks_started_by_spawn_tune_and_end_or_train_on(tmp_path: Path) -> None:
+    output = tmp_path / "spawn.yaml"
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "tune_spawn.py"), str(output)],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert "apply=False done" in log and "apply=True done" in log and "Traceback" not in log
+    tuned = yaml.safe_load(output.read_text())
+    stage, size = tuned["trainer"]["strategy"]["init_args"]["config"]["stage"], tuned["model"]["batch_size"]
+    # Only the applied run trains (2 steps on each rank, with the tuned stage and micro-batch).
+    for rank in (0, 1):
+        assert log.count(f"rank {rank} trained") == 1
+        assert f"rank {rank} trained 2 steps at stage {stage} with batches of {size}" in log

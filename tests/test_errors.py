@@ -128,3 +128,12 @@ def test_lightning_cli_rejects_a_bad_stage() -> None:
             run=False,
             args={"trainer": {"strategy": {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 5}}}},
         )
+
+
+def test_the_strategy_pickles_for_spawn_and_fork_launchers() -> None:
+    import pickle
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for strategy in (ZeroStrategy(stage=2), StrategyRegistry.get("zero3_spawn")):
+        assert pickle.loads(pickle.dumps(strategy)).config == strategy.config
