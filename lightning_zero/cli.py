@@ -11,7 +11,7 @@ from typing import Any
 from lightning_zero.checkpoint.consolidate import DTYPES, consolidate
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.autotuning.space import OFFLOADS, parse_bytes
+from lightning_zero.autotuning.space import OFFLOADS, SearchSpace, parse_bytes
 from lightning_zero.checkpoint.checksums import CheckpointError, reason
 from lightning_zero.config import ZeroConfig
 
@@ -70,15 +70,27 @@ def _parser() -> argparse.ArgumentParser:
                                        " shared by its ranks)")
     tune.add_argument("--output", default="zero_tuned.yaml", help="where the tuned config is written")
     tune.add_argument("--method", choices=["fast", "grid"], default="fast", help="grid: try every configuration")
-    tune.add_argument("--micro-batch-sizes", type=int, nargs="+", help="micro-batch sizes to consider")
-    tune.add_argument("--stages", type=int, nargs="+", choices=[1, 2, 3], help="ZeRO stages to consider")
-    tune.add_argument("--offload", nargs="+", choices=list(OFFLOADS), help="offload choices to consider")
+    # Comma-separated, not nargs="+": a list option would swallow SCRIPT after it.
+    tune.add_argument("--micro-batch-sizes", type=_integers, help="micro-batch sizes to consider, e.g. 8,16,32")
+    tune.add_argument("--stages", type=_integers, help="ZeRO stages to consider, e.g. 2,3")
+    tune.add_argument("--offload", type=_names, help=f"offload choices to consider, of {','.join(OFFLOADS)}")
     tune.add_argument("--warmup-steps", type=int, default=2, help="steps each trial runs before measuring")
     tune.add_argument("--measure-steps", type=int, default=3, help="steps each trial measures")
     tune.add_argument("--apply", action="store_true", help="train on with the best configuration in the same run")
     tune.add_argument("script", help="the LightningCLI script (e.g. examples/gpt/train.py)")
     tune.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (its `fit` subcommand's)")
     return parser
+
+
+def _integers(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 8,16,32") from None
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -97,6 +109,9 @@ def _tune(args: argparse.Namespace) -> int:
     for name in ("warmup_steps", "measure_steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1.")
+    chosen = {name: values for name, values in (("micro_batch_sizes", args.micro_batch_sizes), ("stages", args.stages),
+                                                 ("offload", args.offload)) if values}
+    SearchSpace(**chosen)  # an empty space is a message now, not a traceback on every rank later
     rest = list(args.script_args)
     if not rest or rest[0].startswith("-"):
         rest = ["fit", *rest]
@@ -108,10 +123,8 @@ def _tune(args: argparse.Namespace) -> int:
              f"{prefix}.warmup_steps={args.warmup_steps}", f"{prefix}.measure_steps={args.measure_steps}"]
     if args.budget is not None:
         extra.append(f"{prefix}.budget={args.budget}")
-    for name, values in (("micro_batch_sizes", args.micro_batch_sizes), ("stages", args.stages),
-                         ("offload", args.offload)):
-        if values:
-            extra.append(f"{prefix}.space.{name}=[{','.join(map(str, values))}]")
+    for name, values in chosen.items():
+        extra.append(f"{prefix}.space.{name}=[{','.join(map(str, values))}]")
     sys.argv = [str(script), *rest, *extra]
     sys.path.insert(0, str(script.resolve().parent))
     if os.getcwd() not in sys.path:

@@ -36,9 +36,19 @@ def test_a_budget_below_every_configuration_is_a_message_and_exit_2(tmp_path: Pa
     assert not (tmp_path / "tuned.yaml").exists()
 
 
+def test_bad_tune_arguments_are_messages_and_exit_2(tmp_path: Path) -> None:
+    for args, message in (
+        (("--stages", "1,2", "--offload", "params"), "holds no configuration: parameter offload ('params') needs stage 3"),
+        (("--budget", "lots"), "--budget='lots' is not a number of bytes"),
+        (("--micro-batch-sizes", "8,x"), "'8,x' is not a comma-separated list of integers"),
+    ):
+        done = _tune(tmp_path, *args)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_tune_writes_a_config_the_script_trains(tmp_path: Path) -> None:
-    done = _tune(tmp_path, "--budget", "2GiB", "--micro-batch-sizes", "8", "16", "--stages", "1", "2", "--offload",
-                 "none", "--measure-steps", "2", "--output", "tuned.yaml")
+    done = _tune(tmp_path, "--budget", "2GiB", "--micro-batch-sizes", "8,16", "--stages", "1,2", "--offload", "none",
+                 "--measure-steps", "2", "--output", "tuned.yaml")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "lightning_zero autotuner (fast)" in done.stdout and "wrote tuned.yaml" in done.stdout
     tuned = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
