@@ -1,9 +1,11 @@
 """The autotuner's plain parts without ranks: the search against a model of memory and speed, the
-search space's checks, byte sizes, the guard on one rank, and the YAML it writes."""
+search space's checks, byte sizes, the guard on one rank, the YAML it writes, and (one process)
+data whose batch size cannot be set."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -183,3 +185,29 @@ def test_the_yaml_keeps_the_run_and_drops_the_tuner() -> None:
 def test_candidates_name_each_configuration_once() -> None:
     assert len({c.label for c in itertools.starmap(Candidate, [(1, "none", 8, 10**6, 1, 10**6),
                                                                  (3, "none", 8, 10**6, 1, 10**6)])}) == 2
+
+
+def test_data_whose_batch_size_cannot_be_set_is_tuned_at_its_own_size_only() -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from harness import launched_environment
+    from lightning_zero import ZeroStrategy, ZeroTuner
+    from tune_models import DataBlocks, data
+
+    class NoBatchSize(DataBlocks):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.batch_size
+
+    def tune(sizes: tuple[int, ...]) -> Any:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=2), max_steps=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        with launched_environment():
+            return ZeroTuner(trainer).tune(NoBatchSize(), DataLoader(data(64, 256), batch_size=4), budget="1GiB",
+                                           output=None, progress=False,
+                                           space=SearchSpace(micro_batch_sizes=sizes, stages=(1,), offload=("none",)))
+
+    assert tune((4,)).best.candidate.micro_batch_size == 4
+    with pytest.raises(TuningError, match="cannot change the micro-batch size: a DataLoader passed to fit"):
+        tune((4, 8))

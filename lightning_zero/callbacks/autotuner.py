@@ -238,18 +238,18 @@ class _BatchSize:
     original: int
     datamodule: Any
     loader: Any  # the DataLoader passed to fit, when neither module nor datamodule makes one
+    settable: bool = True  # False: the data's own size, the only one searched
 
     @classmethod
     def find(cls, trainer: pl.Trainer, module: pl.LightningModule, name: str, space: SearchSpace) -> _BatchSize:
         datamodule = trainer.datamodule
         loader = None
         if datamodule is None and not is_overridden("train_dataloader", module):
-            source = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
-            loader = source
+            loader = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
         if loader is not None or not lightning_hasattr(module, name):
             fixed = getattr(loader, "batch_size", None)
             if len(space.micro_batch_sizes) == 1 and (fixed is None or fixed == space.micro_batch_sizes[0]):
-                return cls(module, name, "model", space.micro_batch_sizes[0], datamodule, loader)
+                return cls(module, name, "model", space.micro_batch_sizes[0], datamodule, loader, settable=False)
             where = "a DataLoader passed to fit" if loader is not None else "the module and the datamodule"
             raise TuningError(
                 f"ZeroAutotuner cannot change the micro-batch size: {where} has no {name!r} attribute to set. Give the"
@@ -263,7 +263,7 @@ class _BatchSize:
         return cls(module, name, "data" if on_data else "model", int(value), datamodule, None)
 
     def set(self, value: int) -> None:
-        if self.loader is None:
+        if self.settable:
             lightning_setattr(self.module, self.name, value)
 
     def restore(self) -> None:
@@ -275,7 +275,7 @@ class _BatchSize:
         if self.loader is not None:
             return self.loader
         self.set(value)
-        if self.section == "model":
+        if self.settable and self.section == "model":
             lightning_setattr(copy_of_module, self.name, value)
         if self.datamodule is not None:
             return self.datamodule.train_dataloader()
@@ -542,6 +542,7 @@ class _TrialRunner:
         self.pristine = _detached_copy(module)
         self.numel = sum(p.numel() for p in self.pristine.parameters() if p.requires_grad)
         self.activation_bytes_per_sample: float | None = None
+        self._state_estimates: dict[ZeroConfig, int] = {}  # without activations, per configuration
         self.guard: TrialGuard | None = None
         self.guard_latency = 0.0
 
@@ -563,10 +564,13 @@ class _TrialRunner:
     def estimate(self, candidate: Candidate) -> int | None:
         if not self.numel or self.precision not in PARAM_BYTES:
             return None
-        world = self.strategy.world_size
-        estimate = estimate_memory(self.pristine, world, candidate.zero_config(self.base), self.precision,
-                                   device_type="cpu" if self.device.type == "cpu" else "cuda")
-        total = estimate.device.total + (estimate.host.total if self.device.type == "cpu" else 0)
+        config = candidate.zero_config(self.base)
+        if config not in self._state_estimates:  # the search asks again and again: the model's part is fixed
+            estimate = estimate_memory(self.pristine, self.strategy.world_size, config, self.precision,
+                                       device_type="cpu" if self.device.type == "cpu" else "cuda")
+            self._state_estimates[config] = estimate.device.total + (
+                estimate.host.total if self.device.type == "cpu" else 0)
+        total = self._state_estimates[config]
         if self.activation_bytes_per_sample is not None:
             total += int(self.activation_bytes_per_sample * candidate.micro_batch_size)
         return total
@@ -649,7 +653,7 @@ class _TrialRunner:
                 trainer.fit(module, train_dataloaders=data)
             finally:
                 module._trainer = None
-        if meter.batch_size is not None and self.batch.loader is None and meter.batch_size != candidate.micro_batch_size:
+        if meter.batch_size is not None and self.batch.settable and meter.batch_size != candidate.micro_batch_size:
             raise TuningError(
                 f"ZeroAutotuner set {self.batch_arg_description} to {candidate.micro_batch_size}, but the train"
                 f" dataloader's batches hold {meter.batch_size} samples: train_dataloader() must read that attribute"
