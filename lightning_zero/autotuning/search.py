@@ -202,9 +202,7 @@ class _Search:
         low, high, found = 0, len(options) - 1, None
         index = high
         while low <= high:
-            record = self.try_(options[index])
-            if not record.fits and self.lean(options[index]) != options[index]:
-                record = self.try_(self.lean(options[index]))  # a smaller bucket or unit may be what fits
+            record = self.try_leanly(options[index])
             if record.fits:
                 found, low = record, index + 1
                 index = (low + high + 1) // 2
@@ -217,6 +215,14 @@ class _Search:
             else:
                 index = (low + high) // 2
         return found
+
+    def try_leanly(self, candidate: Candidate) -> TrialRecord:
+        """``candidate``, and if it does not fit, the same with the leanest knobs: a smaller bucket
+        or unit may be what fits."""
+        record = self.try_(candidate)
+        if not record.fits and self.lean(candidate) != candidate:
+            record = self.try_(self.lean(candidate))
+        return record
 
     def _foreseen(self, candidate: Candidate) -> bool:
         estimate = self.estimate(candidate)
