@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Literal, Protocol
 
-from lightning_zero.autotuning.space import Candidate, SearchSpace
+from lightning_zero.autotuning.space import Candidate, SearchSpace, size_label
 from lightning_zero.config import ZeroConfig
 
 Method = Literal["fast", "grid"]
@@ -151,7 +151,7 @@ class _Search:
         estimate = self.estimate(candidate)
         if prune and estimate is not None and estimate > self.budget:
             record = TrialRecord(candidate, TrialStatus.SKIPPED, estimate_bytes=estimate,
-                                 message=f"estimated {_mib(estimate)} > budget {_mib(self.budget)}")
+                                 message=f"estimated {size_label(estimate)} > budget {size_label(self.budget)}")
         else:
             if self._on_start is not None:
                 self._on_start(candidate)
@@ -160,7 +160,7 @@ class _Search:
                 record = replace(record, estimate_bytes=estimate)
             if record.fits and record.peak_bytes is not None and record.peak_bytes > self.budget:
                 record = replace(record, status=TrialStatus.OVER_BUDGET,
-                                 message=f"peak {_mib(record.peak_bytes)} > budget {_mib(self.budget)}")
+                                 message=f"peak {size_label(record.peak_bytes)} > budget {size_label(self.budget)}")
             if not record.fits:
                 self._misses += 1  # the estimate (if any) said it would fit
         self._done[candidate] = record
@@ -288,16 +288,16 @@ def _nothing_fits(records: list[TrialRecord], budget: int) -> str:
     if not ran:
         smallest = min((r for r in records if r.estimate_bytes is not None), key=lambda r: r.estimate_bytes or 0,
                        default=None)
-        detail = f": the smallest estimate is {_mib(smallest.estimate_bytes or 0)} ({smallest.candidate.label})" \
+        detail = f": the smallest estimate is {size_label(smallest.estimate_bytes or 0)} ({smallest.candidate.label})" \
             if smallest is not None else ""
-        return (f"the budget of {_mib(budget)} per rank is smaller than every configuration's estimated memory{detail}."
+        return (f"the budget of {size_label(budget)} per rank is smaller than every configuration's estimated memory{detail}."
                 " Raise the budget, or add smaller micro_batch_sizes, stage 3 or offload to the search space.")
     counts: dict[str, int] = {}
     for record in ran:
         counts[record.status.value] = counts.get(record.status.value, 0) + 1
     summary = ", ".join(f"{n} {status}" for status, n in counts.items())
     last = ran[-1]
-    return (f"no configuration fits in {_mib(budget)} per rank: {len(ran)} trial(s) ran ({summary}); the last,"
+    return (f"no configuration fits in {size_label(budget)} per rank: {len(ran)} trial(s) ran ({summary}); the last,"
             f" {last.candidate.label}: {last.message or last.status.value}. Raise the budget, or add smaller"
             " micro_batch_sizes, stage 3 or offload to the search space.")
 
@@ -308,10 +308,6 @@ def _nearest(values: tuple[int, ...], target: int) -> int:
 
 def _speed(record: TrialRecord) -> float:
     return record.samples_per_sec or 0.0
-
-
-def _mib(value: int) -> str:
-    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
 
 
 __all__ = ["Method", "Runner", "SearchResult", "TrialRecord", "TrialStatus", "TuningError", "search"]

@@ -115,6 +115,11 @@ def count_label(value: int) -> str:
     return str(value)
 
 
+def size_label(value: int) -> str:
+    """Bytes as MiB, or GiB from one GiB up."""
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+
+
 def _derived(base: int, numel: int, fractions: tuple[int, ...]) -> tuple[int, ...]:
     """``base`` and fractions of the model's ``numel``: sizes that change the number of collectives."""
     values = {base} | {max(65_536, math.ceil(numel / part)) for part in fractions if numel > part * 65_536}
@@ -155,4 +160,4 @@ class Candidate:
         return f"{text}, bucket {count_label(self.reduce_bucket_size)}"
 
 
-__all__ = ["Candidate", "OFFLOADS", "SearchSpace", "parse_bytes"]
+__all__ = ["Candidate", "OFFLOADS", "SearchSpace", "count_label", "parse_bytes", "size_label"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 import sys
 import time
 import warnings
@@ -43,7 +44,7 @@ from typing_extensions import override
 from lightning_zero.autotuning.guard import GuardedCollectives, PeerFailed, TrialGuard, is_out_of_memory
 from lightning_zero.autotuning.report import results_table, tuned_yaml, write_yaml
 from lightning_zero.autotuning.search import Method, SearchResult, TrialRecord, TrialStatus, TuningError, search
-from lightning_zero.autotuning.space import Candidate, SearchSpace, parse_bytes
+from lightning_zero.autotuning.space import Candidate, SearchSpace, parse_bytes, size_label
 from lightning_zero.config import ZeroConfig
 from lightning_zero.profiling.estimate import PARAM_BYTES, estimate_memory
 from lightning_zero.profiling.measure import SavedActivations, sample_memory
@@ -704,8 +705,6 @@ def _default_budget(strategy: ZeroStrategy) -> int:
     device = strategy.root_device
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    import os
-
     pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return int(pages * size // max(1, strategy.num_processes))
 
@@ -728,7 +727,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:.1f} MiB"
+    return "-" if value is None else size_label(value)
 
 
 class _Display:
