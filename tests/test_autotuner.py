@@ -65,7 +65,31 @@ def _budget_scenario(tmp: str) -> dict[str, Any]:
             _trainer(tuner).fit(Blocks())
         out[method] = {"rows": _rows(tuner), "best": tuner.result.best.candidate, "trials": tuner.result.trials,
                        "written": str(tuner.written)}
+    # One trial's throughput varies by about +-15% on 2 shared cores: the pick and the grid's best
+    # are measured again, in turns, and compared by their medians.
+    fits = [row for row in out["grid"]["rows"] if row["status"] == "fits"]
+    grid_best = max(fits, key=lambda row: row["rate"])["candidate"]
+    rates: dict[Any, list[float]] = {}
+    for _ in range(REMEASURE):
+        for candidate in dict.fromkeys((out["fast"]["best"], grid_best)):
+            rates.setdefault(candidate, []).append(_remeasure(candidate, budget))
+    out["remeasured"] = {"grid_best": grid_best, "rates": rates}
     return out
+
+
+REMEASURE = 3
+
+
+def _remeasure(candidate: Any, budget: int) -> float:
+    """``candidate``'s throughput in a one-configuration grid (the same trial as the searches')."""
+    only = SearchSpace(micro_batch_sizes=(candidate.micro_batch_size,), stages=(candidate.stage,),
+                       offload=(candidate.offload,), reduce_bucket_sizes=(candidate.reduce_bucket_size,),
+                       prefetch_units=(candidate.prefetch_units,), min_unit_numels=(candidate.min_unit_numel,))
+    tuner = ZeroAutotuner(budget=budget, space=only, method="grid", measure_steps=8, output=None, progress=False)
+    with launched_environment():
+        _trainer(tuner).fit(Blocks())
+    assert tuner.result is not None and tuner.result.best.candidate == candidate
+    return float(tuner.result.best.samples_per_sec or 0.0)
 
 
 def _oom_scenario(tmp: str) -> dict[str, Any]:
@@ -219,12 +243,17 @@ def test_budget_excludes_large_micro_batches_at_stage_1_and_fast_search_matches_
     pick = fast["best"]
     assert by_candidate[pick]["status"] == "fits"
     assert not (pick.stage == 1 and pick.micro_batch_size == 16)
-    best_rate = max(row["rate"] for row in grid["rows"] if row["status"] == "fits")
-    # Measured in the same grid (same conditions): the pick is within 10% of the grid's best.
-    assert by_candidate[pick]["rate"] >= 0.9 * best_rate, (pick, by_candidate[pick]["rate"], best_rate)
+    remeasured = result["remeasured"]
+    grid_best = remeasured["grid_best"]
+    assert by_candidate[grid_best]["rate"] == max(row["rate"] for row in grid["rows"] if row["status"] == "fits")
+    # Both measured REMEASURE more times, in turns, under the same conditions: the pick's median is
+    # within 10% of the grid best's.
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    pick_rate, best_rate = median(remeasured["rates"][pick]), median(remeasured["rates"][grid_best])
+    assert pick_rate >= 0.9 * best_rate, (pick, remeasured["rates"], grid_best)
     assert fast["trials"] < grid["trials"] == len(grid["rows"]) == 3 * 2 * 3
     print(f"\nautotuner: {fast['trials']} trials (fast) vs {grid['trials']} (grid); pick {pick.label} at"
-          f" {by_candidate[pick]['rate']:.1f} samples/s, grid best {best_rate:.1f}")
+          f" {pick_rate:.1f} samples/s (median), grid best {grid_best.label} at {best_rate:.1f}")
 
 
 def test_oom_on_one_rank_is_recorded_on_both_and_the_search_goes_on(tuned: list[dict[str, Any]]) -> None:
