@@ -16,6 +16,9 @@ from lightning_zero.offload import CPUOffloadPolicy
 SUPPORTED_STAGES = (1, 2, 3)
 REST = -1  # a ParallelConfig size that takes whatever the other sizes leave of the world
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+# ZeroConfig.fused_adam: "auto", "off", or a backend of lightning_zero.ops.fused_adam.BACKENDS (a test keeps
+# the two in step; config.py stays free of the ops).
+FUSED_ADAM_CHOICES = ("auto", "off", "cuda", "triton", "cpu", "torch", "host")
 # PipelineConfig.schedule names -> torch.distributed.pipelining schedule classes (parallel/pipeline.py)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 # Schedules that run one stage per rank; the others take several (interleaved, V-shaped).
@@ -214,6 +217,14 @@ class ZeroConfig:
             (see :class:`ParallelConfig`); the default is plain ZeRO over every rank.
         pipeline: pipeline parallelism (see :class:`PipelineConfig`): the pipeline ranks are the
             outermost mesh dimension, data and tensor parallelism live within each stage.
+        fused_adam: which kernel steps the masters that stay on the device (not offloaded) when
+            the optimizer is ``torch.optim.Adam``/``AdamW``: ``"auto"`` (the default) is the
+            one-pass CUDA kernel for CUDA masters (Triton's, or torch's fused AdamW plus separate
+            passes, with one warning, where it cannot be built), and the optimizer's own step
+            elsewhere; ``"off"`` is always the optimizer's own step; ``"cuda"``, ``"triton"``,
+            ``"cpu"``, ``"torch"`` or ``"host"`` force that backend (see [Note: backends of the
+            fused Adam op] in lightning_zero/ops/fused_adam.py). Offloaded masters always take
+            the C++ CPU Adam.
     """
 
     stage: int = 2
@@ -231,6 +242,7 @@ class ZeroConfig:
     check_gather_order: bool = True
     parallel: ParallelConfig = ParallelConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    fused_adam: str = "auto"
 
     def __post_init__(self) -> None:
         _check_type("stage", self.stage, int)
@@ -298,6 +310,11 @@ class ZeroConfig:
                 " layer once per micro-batch, so it would all-gather every parameter 2 x microbatches times per step."
                 " A pipeline stage already holds only 1/size of the model: use stage=1 or stage=2 (with"
                 " offload_optimizer for the optimizer state), or stage 3 without a pipeline."
+            )
+        if self.fused_adam not in FUSED_ADAM_CHOICES:
+            raise ValueError(
+                f"ZeroConfig.fused_adam={self.fused_adam!r} is not one of {', '.join(map(repr, FUSED_ADAM_CHOICES))}:"
+                " 'auto' (the fused CUDA kernel for CUDA masters), 'off' (the optimizer's own step), or a backend."
             )
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(

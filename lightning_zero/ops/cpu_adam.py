@@ -28,23 +28,21 @@ memory traffic. To force it: ``LIGHTNING_ZERO_DISABLE_CPP_OPS=1`` in the environ
 
 from __future__ import annotations
 
-import os
 import platform
-import shutil
 import threading
-import time
-import warnings
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_zero.ops import _build
+from lightning_zero.ops._build import LazyExtension, check_toolchain, load_extension, source_path
+
 __all__ = ["CPUAdam", "CPUAdamFallbackWarning", "cpu_adam_available", "fused_adam_step"]
 
-DISABLE_ENV = "LIGHTNING_ZERO_DISABLE_CPP_OPS"
-BUILD_DIR_ENV = "LIGHTNING_ZERO_BUILD_DIR"
+DISABLE_ENV = _build.DISABLE_ENV  # named here too, where the notes above document them
+BUILD_DIR_ENV = _build.BUILD_DIR_ENV
 EXTENSION_NAME = "lightning_zero_cpu_adam"
 _SOURCE = "cpu_adam.cpp"
 
@@ -70,10 +68,6 @@ class CPUAdamFallbackWarning(UserWarning):
 
 
 # ------------------------------------------------------------------------------ the extension
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _target_isa() -> str:
     """The widest lane type worth compiling for here, from torch's own CPU detection.
 
@@ -90,131 +84,25 @@ def _target_isa() -> str:
     return "scalar"
 
 
-def _source_path() -> Path:
-    """``csrc/cpu_adam.cpp`` of the checkout this package runs from, or package data."""
-    here = Path(__file__).resolve().parent
-    candidates = (here.parents[1] / "csrc" / _SOURCE, here / "csrc" / _SOURCE)
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"the C++ source is not at {candidates[0]} (a source checkout) nor at {candidates[1]} "
-        "(package data). Install lightning_zero from a checkout with `pip install -e .`"
-    )
-
-
-def _check_toolchain() -> None:
-    from torch.utils import cpp_extension
-
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(
-            f"no C++ compiler: `{compiler}` (from $CXX, default c++) is not on PATH. Install one "
-            "(e.g. `apt-get install g++`) or point CXX at it"
-        )
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja is not available. `pip install ninja`")
-
-
 def _build_and_load() -> int:
     """Compile (or find in the cache) and load the library; returns its compiled ISA code."""
-    # Imported here: cpp_extension pulls in setuptools, which `import lightning_zero` must not.
-    from torch.utils import cpp_extension
-
-    source = _source_path()
-    _check_toolchain()
+    source = source_path(_SOURCE)
+    check_toolchain()
     isa = _target_isa()
-    name = f"{EXTENSION_NAME}_{isa}"
-    build_directory = None
-    if os.environ.get(BUILD_DIR_ENV):
-        build_directory = Path(os.environ[BUILD_DIR_ENV]) / name
-        build_directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=name,
-        sources=[str(source)],
-        extra_cflags=[*_CFLAGS, *_ISA_FLAGS[isa]],
-        extra_ldflags=["-fopenmp"],
-        build_directory=None if build_directory is None else str(build_directory),
-        is_python_module=False,  # TORCH_LIBRARY ops, no pybind11: builds in a third of the time
-        verbose=_env_flag("LIGHTNING_ZERO_BUILD_VERBOSE"),
-    )
+    load_extension(
+        f"{EXTENSION_NAME}_{isa}", [source],
+        extra_cflags=[*_CFLAGS, *_ISA_FLAGS[isa]], extra_ldflags=["-fopenmp"],
+    )  # fmt: skip
     return int(torch.ops.lightning_zero.cpu_adam_isa())
 
 
-def _short(error: BaseException, limit: int = 1500) -> str:
-    text = f"{type(error).__name__}: {error}".strip()
-    return text if len(text) <= limit else text[:limit] + " [...]"
-
-
-class _CppOp:
-    """Owns the lazily built extension: tried or not, loaded or why not, warned or not."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tried = False
-        self._isa: int | None = None  # compiled ISA code once loaded
-        self._failure: str | None = None  # why the build or load failed
-        self._forced = False
-        self._warned = False
-        self.build_seconds: float | None = None  # build or cache load, for the first call
-
-    @property
-    def loaded(self) -> bool:
-        """Whether the library is in this process; never triggers the build."""
-        return self._isa is not None
-
-    def disabled_reason(self) -> str | None:
-        if self._forced:
-            return "it was forced by lightning_zero.ops.cpu_adam._force_fallback(True)"
-        if _env_flag(DISABLE_ENV):
-            return f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set. Unset it to use the C++ op"
-        return None
-
-    def isa(self) -> int | None:
-        """The ISA code to run with, building on first use; None means: use the fallback."""
-        if self.disabled_reason() is not None:
-            return None
-        if not self._tried:
-            self._try_build()
-        return self._isa
-
-    def _try_build(self) -> None:
-        with self._lock:
-            if self._tried:
-                return
-            start = time.perf_counter()
-            try:
-                self._isa = _build_and_load()
-            except Exception as error:  # noqa: BLE001 - any failure means: fall back, and say why
-                self._failure = (
-                    f"building the C++ op failed ({_short(error)}). Fix the toolchain, or set "
-                    f"{DISABLE_ENV}=1 to use the fallback without trying"
-                )
-            self.build_seconds = time.perf_counter() - start
-            self._tried = True
-
-    def unavailable_reason(self) -> str:
-        return self.disabled_reason() or self._failure or "the C++ op is not loaded"
-
-    def warn_once(self) -> None:
-        if self._warned:
-            return
-        self._warned = True
-        reason = self.unavailable_reason()
-        warnings.warn(
-            "lightning_zero.ops: one-pass C++ Adam unavailable, using torch's fused CPU AdamW "
-            "plus separate upcast, unscale and low-precision copy passes (same numbers, more "
-            f"memory traffic). Reason: {reason}.",
-            CPUAdamFallbackWarning,
-            stacklevel=4,
-        )
-
-    def force_fallback(self, enabled: bool) -> None:
-        self._forced = enabled
-        self._warned = False
-
-
-_OP = _CppOp()
+_OP: LazyExtension[int] = LazyExtension(
+    _build_and_load, label="C++ op", force_hook="lightning_zero.ops.cpu_adam._force_fallback"
+)
+_FALLBACK_MESSAGE = (
+    "lightning_zero.ops: one-pass C++ Adam unavailable, using torch's fused CPU AdamW plus separate "
+    "upcast, unscale and low-precision copy passes (same numbers, more memory traffic)."
+)
 
 
 def _force_fallback(enabled: bool = True) -> None:
@@ -224,12 +112,12 @@ def _force_fallback(enabled: bool = True) -> None:
 
 def cpu_adam_available() -> bool:
     """Whether the one-pass C++ op is in use; builds it (or loads it from cache) on first call."""
-    return _OP.isa() is not None
+    return _OP.value() is not None
 
 
 def _kernel_isa() -> str | None:
     """``"avx512"``, ``"avx2"`` or ``"scalar"``: the widest lanes compiled in; None if not in use."""
-    code = _OP.isa()
+    code = _OP.value()
     return None if code is None else _ISA_NAMES[code]
 
 
@@ -402,17 +290,17 @@ def fused_adam_step(
         "grad_scale": float(grad_scale),  # a 0-dim tensor is read once here
         "low_precision_out": low_precision_out,
     }  # fmt: skip
-    isa = _OP.isa()
+    isa = _OP.value()
     if isa is not None:
         _cpp_adam_step(master, grad, exp_avg, exp_avg_sq, isa=_ISA_NAMES[isa], **hyper)
     else:
-        _OP.warn_once()
+        _OP.warn_once(_FALLBACK_MESSAGE, CPUAdamFallbackWarning)
         _fallback_adam_step(master, grad, exp_avg, exp_avg_sq, **hyper)
 
 
 def _stream_probe(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Tensor) -> bool:
     """The step's memory traffic with no Adam math (benchmark bound); False without the op."""
-    if _OP.isa() is None:
+    if _OP.value() is None:
         return False
     torch.ops.lightning_zero.cpu_adam_stream_probe(master, grad, exp_avg, exp_avg_sq, out)
     return True

@@ -49,6 +49,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.offload.step import StagingBuffers
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
+from lightning_zero.zero.device_step import adam_group_is_fusable, check_device_backend, device_adam_backend
 from lightning_zero.zero.layout import (
     ParamPiece,
     ParamSlot,
@@ -177,6 +178,7 @@ class FlatParamBuffer:
         param_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype = torch.float32,
         offload: CPUOffloadPolicy | None = None,
+        stage_on_device: bool = False,
     ) -> None:
         dtype = param_dtype or named_params[0][2].dtype
         self.master_dtype = master_dtype(named_params[0][2].dtype)
@@ -209,11 +211,15 @@ class FlatParamBuffer:
             master = placement.zeros(bucket.shard_numel, master_device, self.master_dtype)
             master.copy_(bucket.owned_chunk(values))
             bucket.set_master(master, placement.zeros(bucket.shard_numel, master_device, self.master_dtype))
-            # Only the C++ CPU step, fp32 masters only, writes a low-precision copy (see
-            # [Note: offloaded step] in offload/step.py).
+            # The fused steps, fp32 masters only, write the low-precision copy: the C++ CPU step
+            # into pinned CPU staging (see [Note: offloaded step] in offload/step.py), the device
+            # step into a device chunk the all-gather sends as it is (see [Note: fused device
+            # step] in zero/device_step.py).
             fused_out = self.master_dtype == torch.float32 and dtype != torch.float32
             if offload is not None and master_device.type == "cpu" and fused_out:
                 bucket.staging = placement.zeros(bucket.shard_numel, CPU, dtype)
+            elif stage_on_device and master_device == device and fused_out:
+                bucket.staging = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
             self.buckets.append(bucket)
             self.slots.extend(bucket.slots)
             bucket_start += padded
@@ -237,9 +243,13 @@ class FlatParamBuffer:
         handles = []
         with torch.no_grad(), torch.profiler.record_function("zero::all_gather"):
             for bucket in self.buckets:
-                # A separate input tensor: gloo does not promise in-place gathers.
+                # A separate input tensor: gloo does not promise in-place gathers. A device staging
+                # chunk already is one, in the parameters' dtype: it is sent as it is.
                 source = bucket.staging if bucket.staging is not None and staged(bucket) else bucket.master
-                chunk = source.to(device=bucket.param_data.device, dtype=self.dtype, copy=True)
+                if source is bucket.staging and source.device == bucket.param_data.device:
+                    chunk = source
+                else:
+                    chunk = source.to(device=bucket.param_data.device, dtype=self.dtype, copy=True)
                 handles.append(collectives.all_gather(bucket.param_data, chunk))
         return handles
 
@@ -298,6 +308,8 @@ class FlatLayout:
 
     def _init_buffers(self, optimizer: Optimizer, names: dict[nn.Parameter, str], param_dtype: torch.dtype | None) -> None:
         device = next(iter(names), torch.zeros(0)).device
+        if self.config.offload_optimizer is None and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            check_device_backend(self.config, device)
         index = 0
         seen: set[nn.Parameter] = set()
         for group_idx, group in enumerate(optimizer.param_groups):
@@ -319,6 +331,7 @@ class FlatLayout:
                     continue  # torch.optim skips parameters without gradients; so does ZeRO.
                 by_dtype.setdefault(param.dtype, []).append((index, names[param], param))
                 index += 1
+            fused_device = adam_group_is_fusable(optimizer, group) and device_adam_backend(self.config, device) is not None
             group_buffers = [
                 FlatParamBuffer(
                     entries,
@@ -330,6 +343,7 @@ class FlatLayout:
                     param_dtype=held_dtype(dtype, param_dtype),
                     grad_dtype=reduce_dtype_for(dtype, self.config.reduce_torch_dtype),
                     offload=self.config.offload_optimizer,
+                    stage_on_device=fused_device,
                 )
                 for dtype, entries in by_dtype.items()
             ]

@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.offload.step import StagingBuffers, cpu_adam_step, fused_cpu_masters
+from lightning_zero.zero.device_step import device_adam_masters, device_adam_step
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.layout import ParamPiece, ShardTile
 
@@ -313,31 +314,38 @@ class ShardedOptimizer(Optimizer):
 
     def _run_optimizer(self, trained: list[list[Tensor]]) -> None:
         """Steps the masters in ``trained`` (per param group): offloaded Adam/AdamW masters take the
-        one-pass C++ CPU step (see [Note: offloaded step] in offload/step.py), every other master
-        goes through the wrapped torch optimizer."""
-        fused = fused_cpu_masters(self.optimizer, self.config.offload_optimizer, trained)
+        one-pass C++ CPU step (see [Note: offloaded step] in offload/step.py), device-resident ones
+        the fused multi-tensor Adam (see [Note: fused device step] in device_step.py), every other
+        master goes through the wrapped torch optimizer."""
+        fused_cpu = fused_cpu_masters(self.optimizer, self.config.offload_optimizer, trained)
+        fused_device = device_adam_masters(self.optimizer, self.config, trained, {m for _, m in fused_cpu})
         staging = self.layout.staging
         if staging is not None:
             staging.begin_step()
-        if not fused:
+        if not fused_cpu and not fused_device:
             self._apply_grad_coefficient()
             with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(trained):
                 self.optimizer.step()
             return
-        coefficient = float(self._grad_coefficient_now())
-        fused_masters = {master for _, master in fused}
+        coefficient = self._grad_coefficient_now()
+        fused_masters = {master for _, master in fused_cpu} | {master for _, master in fused_device}
         rest = [[m for m in masters if m not in fused_masters] for masters in trained]
-        if coefficient != 1.0:
+        if isinstance(coefficient, Tensor) or coefficient != 1.0:
             for master in (m for masters in rest for m in masters):
-                master.grad.mul_(coefficient)
+                master.grad.mul_(coefficient.to(master.grad.device) if isinstance(coefficient, Tensor) else coefficient)
         self._grad_coefficient = 1.0
         with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(rest):
             if any(group["params"] for group in self.param_groups):
                 self.optimizer.step()
-        with torch.profiler.record_function("zero::cpu_adam_step"):
-            for group, master in fused:
-                cpu_adam_step(self.optimizer, group, master, coefficient, staging)
-        # The fused pass is the user's optimizer stepping, without its step() when every shard is
+        if fused_device:
+            with torch.profiler.record_function("zero::fused_adam_step"):
+                device_adam_step(self.optimizer, fused_device, coefficient, staging, self.config)
+        if fused_cpu:
+            cpu_coefficient = float(coefficient)  # the CPU kernel takes a float (offload syncs anyway)
+            with torch.profiler.record_function("zero::cpu_adam_step"):
+                for group, master in fused_cpu:
+                    cpu_adam_step(self.optimizer, group, master, cpu_coefficient, staging)
+        # The fused passes are the user's optimizer stepping, without its step() when every shard is
         # fused; an LR scheduler learns of a step only through the flag its wrapper of step() sets,
         # and would otherwise warn that it was stepped first.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.offload.step import StagingBuffers
+from lightning_zero.zero.device_step import adam_group_is_fusable, check_device_backend, device_adam_backend
 from lightning_zero.zero.layout import ParamPiece, ShardTile
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.stage3.engine import Zero3Engine
@@ -56,6 +57,7 @@ class Zero3Layout:
         for sp in self.params:
             self.members.setdefault(sp.unit, []).append(sp)
         self.units: list[ShardedUnit] = list(self.members)
+        self._stage_fused_device_steps(optimizer, engine)
         self.staging: StagingBuffers | None = None
         staged = [sp for sp in self.params if sp.unit.staging is not None]
         if staged:
@@ -64,6 +66,22 @@ class Zero3Layout:
                 assert sp.unit.staging is not None
                 self.staging.add(sp.holder, sp.shard_range.slice(sp.unit.staging))
         engine.add_grad_listener(self._on_engine_grad)
+
+    def _stage_fused_device_steps(self, optimizer: Optimizer, engine: Zero3Engine) -> None:
+        """Units whose fp32 masters the fused device step updates take its rounded copy straight
+        into their low-precision parameter shard (see [Note: fused device step] in
+        zero/device_step.py): the shard is the unit's staging buffer, and publishing copies nothing."""
+        config = engine.config
+        if config.offload_optimizer is None and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            check_device_backend(config, engine.device)
+        for group, members in zip(optimizer.param_groups, self.groups):
+            if not adam_group_is_fusable(optimizer, group):
+                continue
+            for unit in {sp.unit for sp in members}:
+                fused = device_adam_backend(config, unit.master.device) is not None
+                if (fused and unit.staging is None and unit.master is not unit.shard
+                        and unit.master.dtype == torch.float32 and unit.master.device == unit.shard.device):
+                    unit.staging = unit.shard
 
     @property
     def params(self) -> Iterator[ShardedParam]:

@@ -1,0 +1,121 @@
+"""The optimizer step of device-resident masters: the fused multi-tensor Adam.
+
+[Note: fused device step]
+Masters that stay on the device (not offloaded) of a ``torch.optim.Adam``/``AdamW`` param group
+without options the kernels lack (amsgrad, maximize, differentiable) are stepped by
+``ops.multi_tensor_adam_step`` (see [Note: backends of the fused Adam op] in
+lightning_zero/ops/fused_adam.py), chosen by ``ZeroConfig.fused_adam``. In one pass per element
+it applies the unscale x clip coefficient (a device tensor when clipping computed it there: no
+host sync), updates the master and its moments, and writes the rounded bf16/fp16 value into the
+buffer the parameters are published from: at stages 1/2 a device staging chunk per bucket that
+the all-gather sends as it is (no cast-and-copy pass), at stage 3 the unit's own parameter
+shard. The optimizer state stays torch's (``step`` a CPU float tensor, ``exp_avg``,
+``exp_avg_sq``), so checkpoints are the same as with the optimizer's own step. Masters are
+grouped into one call per (param group, step count); a call launches once per table of tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.offload.step import StagingBuffers
+
+__all__ = ["adam_group_is_fusable", "device_adam_backend", "device_adam_masters", "device_adam_step"]
+
+_UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "differentiable")
+
+
+def adam_group_is_fusable(optimizer: Optimizer, group: dict[str, Any]) -> bool:
+    """Whether the fused kernels compute exactly what ``optimizer`` would for ``group``."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False  # a subclass may change step()
+    return not any(group.get(option) for option in _UNSUPPORTED_OPTIONS)
+
+
+def device_adam_backend(config: ZeroConfig, device: torch.device) -> str | None:
+    """The backend (or "auto") that steps fusable masters living on ``device``, or None for the
+    optimizer's own step."""
+    choice = config.fused_adam
+    if choice == "off":
+        return None
+    if choice == "auto":
+        return "auto" if device.type == "cuda" else None
+    return choice
+
+
+def check_device_backend(config: ZeroConfig, device: torch.device) -> None:
+    """Refuses, at set-up, a forced backend that cannot run on the masters' device."""
+    choice = config.fused_adam
+    if choice == "cuda" and device.type != "cuda":
+        raise ValueError(
+            f"ZeroConfig.fused_adam='cuda' needs the masters on a CUDA device, but they are on {device}. Use"
+            " fused_adam='auto' (the CUDA kernel where it applies) or 'cpu' for the C++ CPU kernel."
+        )
+    if choice in ("cpu", "host") and device.type != "cpu":
+        raise ValueError(
+            f"ZeroConfig.fused_adam={choice!r} runs on CPU masters, but they are on {device}. Use fused_adam='auto'."
+        )
+
+
+def device_adam_masters(
+    optimizer: Optimizer, config: ZeroConfig, trained: list[list[Tensor]], exclude: set[Tensor]
+) -> list[tuple[dict[str, Any], Tensor]]:
+    """(param group, master) pairs of ``trained`` (per param group) that the fused kernel steps:
+    fp32 masters not in ``exclude`` (the offloaded ones the CPU step takes) of fusable groups."""
+    pairs = []
+    for group, masters in zip(optimizer.param_groups, trained):
+        if not adam_group_is_fusable(optimizer, group):
+            continue
+        for master in masters:
+            if master in exclude or master.dtype != torch.float32:
+                continue
+            if device_adam_backend(config, master.device) is not None:
+                pairs.append((group, master))
+    return pairs
+
+
+def device_adam_step(
+    optimizer: Optimizer,
+    pairs: list[tuple[dict[str, Any], Tensor]],
+    coefficient: Tensor | float,
+    staging: StagingBuffers | None,
+    config: ZeroConfig,
+) -> None:
+    """One Adam/AdamW step of every master in ``pairs`` (its ``.grad`` times ``coefficient``),
+    keeping its state in ``optimizer.state`` as torch's Adam would; writes the staging copies."""
+    from lightning_zero.ops.fused_adam import multi_tensor_adam_step
+
+    calls: dict[tuple[int, int, torch.device], tuple[dict[str, Any], list[Tensor]]] = {}
+    for group, master in pairs:
+        state = optimizer.state[master]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
+        state["step"] += 1
+        if staging is not None:
+            staging.mark_written(master)
+        key = (id(group), int(state["step"].item()), master.device)
+        calls.setdefault(key, (group, []))[1].append(master)
+    for (_, step, device), (group, masters) in calls.items():
+        beta1, beta2 = group["betas"]
+        factor = coefficient
+        if isinstance(coefficient, Tensor):
+            factor = coefficient.detach().to(device=device, dtype=torch.float32).reshape(1)
+        backend = device_adam_backend(config, device)
+        assert backend is not None  # device_adam_masters only pairs masters that have one
+        multi_tensor_adam_step(
+            masters, [m.grad for m in masters], [optimizer.state[m]["exp_avg"] for m in masters],  # type: ignore[misc]
+            [optimizer.state[m]["exp_avg_sq"] for m in masters],
+            step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw_mode=bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
+            grad_scale=factor,
+            low_precision_outs=[staging.view_for(m) if staging is not None else None for m in masters],
+            backend=backend,
+        )  # fmt: skip
