@@ -12,7 +12,9 @@ after the step (stage 1/2: the all-gathered staging chunk, stage 3: the shard it
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -60,7 +62,9 @@ def _published_equal_rounded_masters(optimizer: Any) -> bool:
     return True
 
 
-def _run(stage: int, backend: str, dtype: torch.dtype, clip: bool, fp16: bool) -> dict[str, Any]:
+@contextlib.contextmanager
+def _recording_backends() -> Iterator[list[str]]:
+    """Records which backend each fused device step ran with."""
     from lightning_zero.ops import fused_adam
 
     ran: list[str] = []
@@ -72,6 +76,13 @@ def _run(stage: int, backend: str, dtype: torch.dtype, clip: bool, fp16: bool) -
 
     fused_adam.multi_tensor_adam_step = spy  # type: ignore[assignment]
     try:
+        yield ran
+    finally:
+        fused_adam.multi_tensor_adam_step = original  # type: ignore[assignment]
+
+
+def _run(stage: int, backend: str, dtype: torch.dtype, clip: bool, fp16: bool) -> dict[str, Any]:
+    with _recording_backends() as ran:
         model = _model()
         param_dtype = None if dtype == torch.float32 else dtype
         scaler = LossScaler(LossScaleConfig(initial_scale_power=10)) if fp16 else None
@@ -95,10 +106,8 @@ def _run(stage: int, backend: str, dtype: torch.dtype, clip: bool, fp16: bool) -
                       for bucket in optimizer.layout.buckets]  # fmt: skip
         state_keys = sorted({key for state in optimizer.state.values() for key in state})
         engine.remove_hooks()
-        return {"params": params, "masters": masters, "ran": sorted(set(ran)), "state_keys": state_keys,
-                "rounded": rounded, "staged": staged}  # fmt: skip
-    finally:
-        fused_adam.multi_tensor_adam_step = original  # type: ignore[assignment]
+    return {"params": params, "masters": masters, "ran": sorted(set(ran)), "state_keys": state_keys,
+            "rounded": rounded, "staged": staged}  # fmt: skip
 
 
 def _cases() -> dict[tuple[Any, ...], dict[str, Any]]:
@@ -111,13 +120,54 @@ def _cases() -> dict[tuple[Any, ...], dict[str, Any]]:
     for backend in BACKENDS:
         out[(2, torch.float16, backend, True, True)] = _run(2, backend, torch.float16, clip=True, fp16=True)
         out[(3, torch.bfloat16, backend, True, False)] = _run(3, backend, torch.bfloat16, clip=True, fp16=False)
-    return out
+    return {"engine": out, "trainer": _trainer_runs()}
+
+
+def _trainer_runs() -> dict[str, Any]:
+    """Through Lightning, as users run it: DDP, and ZeRO with a forced fused backend, with
+    clipping and an LR scheduler, 12 steps of the tests' GPT."""
+    import lightning.pytorch as pl
+
+    from lightning_zero import ZeroStrategy
+    from models import TinyGPT, fit, params_of
+
+    runs = {}
+    for name, strategy in (
+        ("ddp", "ddp"),
+        ("zero2_cpu", ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=700, fused_adam="cpu"))),
+        ("zero3_host", ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=500, fused_adam="host"))),
+    ):
+        pl.seed_everything(0)
+        module = TinyGPT(scheduler=True)
+        with _recording_backends() as ran:
+            fit(module, strategy, WORLD, steps=12, gradient_clip_val=0.5)
+        runs[name] = params_of(module)
+        runs[f"{name} ran"] = sorted(set(ran))
+    return runs
+
+
+_RUNS: list[dict[str, Any]] = []
+
+
+def _all_runs() -> list[dict[str, Any]]:
+    if not _RUNS:
+        pytest.importorskip("triton")
+        _RUNS.extend(run_on_ranks(_cases, WORLD))
+    return _RUNS
 
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[tuple[Any, ...], dict[str, Any]]]:
-    pytest.importorskip("triton")
-    return run_on_ranks(_cases, WORLD)
+    return [runs["engine"] for runs in _all_runs()]
+
+
+def test_through_the_trainer_fused_steps_match_ddp() -> None:
+    for runs in _all_runs():
+        trainer = runs["trainer"]
+        assert trainer["ddp ran"] == [] and trainer["zero2_cpu ran"] == ["cpu"] and trainer["zero3_host ran"] == ["host"]
+        for name in ("zero2_cpu", "zero3_host"):
+            for key, value in trainer["ddp"].items():
+                torch.testing.assert_close(trainer[name][key], value, rtol=1e-5, atol=1e-5, msg=f"{name} {key}")
 
 
 def _keys(results: list[dict[tuple[Any, ...], dict[str, Any]]]) -> list[tuple[Any, ...]]:
