@@ -1,0 +1,257 @@
+"""Everything that needs a GPU, in one run that prints one table (benchmarks/gpu_check.sh runs it).
+
+    bash benchmarks/gpu_check.sh [--out DIR]     # under 8 minutes on one GPU
+
+1. builds the CUDA fused Adam (ninja, cached afterwards) and reports how long it took;
+2. parity: the CUDA and Triton kernels against the CPU-run reference (ops/_reference.py), bit for
+   bit, with fp32, bf16 and fp16 gradients and copies, a device-tensor scale, a set found_inf
+   flag (nothing written) and an inf in a gradient; and the CUDA kernel against
+   ``torch.optim.AdamW(fused=True)`` over 20 steps (relative error);
+3. bandwidth: benchmarks/fused_adam.py on a 64M-element shard (GB/s, share of a device copy of
+   the same bytes, speedup over torch's fused AdamW with separate passes);
+4. ``pytest tests/gpu`` (every stage at world size 1 on CUDA, offload, the autotuner; the 2-GPU
+   NCCL parity tests skip on one GPU);
+5. the demo GPT for 20 steps with zero3_offload (pinned copies, the C++ CPU Adam) and with zero3
+   (the fused CUDA Adam in the engine).
+
+Each part is guarded: one that fails is reported with its error and the rest still run. With
+``--out DIR`` the table also goes to DIR/gpu_check.json and DIR/gpu_check.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+HYPER: dict[str, Any] = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+ROWS: list[dict[str, str]] = []
+
+
+def record(check: str, ok: bool | None | str, figures: str) -> None:
+    """``ok``: True / False for a check, None for one that could not run, or a label ("info")."""
+    result = ok if isinstance(ok, str) else {True: "ok", False: "FAILED", None: "skipped"}[ok]
+    ROWS.append({"check": check, "result": result, "figures": figures})
+    print(f"[{ROWS[-1]['result']}] {check}: {figures}", flush=True)
+
+
+def guarded(check: str, part: Callable[[], None]) -> None:
+    try:
+        part()
+    except Exception as error:  # noqa: BLE001 - a failed part is reported, the others still run
+        record(check, False, f"{type(error).__name__}: {error}"[:300])
+        traceback.print_exc()
+
+
+# ------------------------------------------------------------------------------ parts
+def environment() -> None:
+    triton = "absent"
+    try:
+        import triton as triton_module
+
+        triton = triton_module.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton}"
+    if not torch.cuda.is_available():
+        record("environment", None, f"no CUDA device: the GPU checks do not run; {versions}")
+        return
+    record("environment", True, f"{torch.cuda.get_device_name()}; {versions}")
+
+
+def build() -> None:
+    from lightning_zero.ops import fused_adam
+
+    start = time.perf_counter()
+    available = fused_adam.cuda_adam_available()
+    seconds = time.perf_counter() - start
+    detail = "" if available else f": {fused_adam._CUDA_OP.unavailable_reason()}"
+    record("build the CUDA op (ninja; cached after the first run)", available, f"{seconds:.1f} s{detail}")
+
+
+def _shard(grad_dtype: torch.dtype, out_dtype: torch.dtype | None, seed: int) -> dict[str, list[Any]]:
+    generator = torch.Generator().manual_seed(seed)
+    sizes = [1, 7, 0, 1000, 2 * 65536 + 3, 33] + [257] * 40
+    return {
+        "masters": [torch.randn(n, generator=generator) for n in sizes],
+        "grads": [(torch.randn(n, generator=generator) * 3).to(grad_dtype) for n in sizes],
+        "exp_avgs": [torch.randn(n, generator=generator) * 0.1 for n in sizes],
+        "exp_avg_sqs": [torch.rand(n, generator=generator) * 0.01 for n in sizes],
+        "outs": [torch.empty(n, dtype=out_dtype) if out_dtype is not None else None for n in sizes],
+    }
+
+
+def _differing(gpu: dict[str, list[Any]], cpu: dict[str, list[Any]]) -> int:
+    count = 0
+    for key in cpu:
+        for a, b in zip(gpu[key], cpu[key]):
+            if b is not None:
+                a = a.cpu()
+                count += int((~((a == b) | (a.isnan() & b.isnan()))).sum())
+    return count
+
+
+def parity(backend: str, cuda: torch.device) -> None:
+    from lightning_zero.ops import fused_adam
+    from lightning_zero.ops._reference import reference_adam_step
+
+    results = []
+    for grad_dtype, out_dtype, label in ((torch.float32, None, "fp32"), (torch.bfloat16, torch.bfloat16, "bf16"),
+                                         (torch.float16, torch.float16, "fp16")):  # fmt: skip
+        cpu = _shard(grad_dtype, out_dtype, seed=1)
+        cpu["grads"][3][10] = float("inf")  # an inf gradient propagates as in the reference
+        gpu = {key: [t.to(cuda) if t is not None else None for t in values] for key, values in cpu.items()}
+        differing = 0
+        for step in (1, 2, 3):
+            for master, grad, exp_avg, exp_avg_sq, out in zip(*cpu.values()):
+                reference_adam_step(master, grad, exp_avg, exp_avg_sq, step=step, grad_scale=0.5,
+                                    low_precision_out=out, **HYPER)  # fmt: skip
+            args = (gpu["masters"], gpu["grads"], gpu["exp_avgs"], gpu["exp_avg_sqs"])
+            fused_adam.multi_tensor_adam_step(*args, step=step, grad_scale=torch.tensor([0.5], device=cuda),
+                                              low_precision_outs=gpu["outs"], backend=backend, **HYPER)  # fmt: skip
+            # A set flag: nothing may change.
+            fused_adam.multi_tensor_adam_step(*args, step=step + 1, found_inf=torch.tensor([1.0], device=cuda),
+                                              low_precision_outs=gpu["outs"], backend=backend, **HYPER)  # fmt: skip
+            if cuda.type == "cuda":
+                torch.cuda.synchronize()
+            differing += _differing(gpu, cpu)
+        results.append(f"{label} {differing}")
+    total = sum(int(part.split()[1]) for part in results)
+    record(f"{backend} kernel vs CPU reference, bit for bit (3 steps + a skipped one)", total == 0,
+           "differing elements: " + ", ".join(results))  # fmt: skip
+
+
+def versus_torch(backend: str, cuda: torch.device) -> None:
+    from lightning_zero.ops import fused_adam
+
+    generator = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(n, generator=generator).to(cuda)) for n in (5000, 70_001, 3)]
+    ours = [p.detach().clone() for p in params]
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in ours]
+    optimizer = torch.optim.AdamW(params, fused=True, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                                  eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])  # fmt: skip
+    for step in range(1, 21):
+        grads = [torch.randn(p.shape, generator=generator).to(cuda) for p in params]
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        optimizer.step()
+        fused_adam.multi_tensor_adam_step(ours, grads, [m for m, _ in moments], [v for _, v in moments], step=step,
+                                          backend=backend, **HYPER)  # fmt: skip
+    error = max(float(((a - b.detach()).abs() / b.detach().abs().clamp_min(1e-6)).max()) for a, b in zip(ours, params))
+    record(f"{backend} kernel vs torch.optim.AdamW(fused=True), 20 steps", error < 1e-5, f"max relative error {error:.2e}")
+
+
+def bandwidth(device: torch.device, numel: int) -> None:
+    from fused_adam import GOALS, run_benchmark
+
+    rows = run_benchmark(device, numel, 96, 20)
+    for row in rows:
+        if row["ms"] is None:
+            record(f"bandwidth: {row['contender']}", None, str(row.get("note", "")))
+            continue
+        ok: bool | str = "info"
+        if str(row["contender"]).startswith("ours"):
+            # A goal, not a test: missing it is reported, not failed.
+            meets = row["vs torch passes"] >= GOALS["vs torch passes"] and row["of copy"] >= GOALS["of copy"]  # type: ignore[operator]
+            ok = "meets goal" if meets else "below goal"
+        record(f"bandwidth: {row['contender']} ({numel / 1e6:.0f}M elements, 96 tensors)", ok,
+               f"{row['ms']:.3f} ms, {row['GB/s']:.0f} GB/s, {row['of copy']:.0%} of copy, "
+               f"{row['vs torch passes']:.2f}x torch's separate passes")  # fmt: skip
+
+
+def gpu_tests() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    summary = next((line for line in reversed(result.stdout.splitlines())
+                    if re.search(r"\d+ (passed|failed|skipped|error)", line)), result.stdout[-200:])  # fmt: skip
+    failures = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    record("pytest tests/gpu", result.returncode == 0, summary.strip() + ("; " + "; ".join(failures) if failures else ""))
+    if result.returncode != 0:
+        print(result.stdout[-8000:], result.stderr[-3000:], sep="\n")
+
+
+def demo(strategy: str, accelerator: str) -> None:
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "examples/gpt/train.py", "fit", "--config", "examples/gpt/configs/zero3_offload_gpu.yaml",
+         f"--trainer.strategy={strategy}", f"--trainer.accelerator={accelerator}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    train = re.search(r"train loss \(first -> last[^│]*│\s*([0-9.]+ -> [0-9.]+)", result.stdout)
+    val = re.search(r"val loss \(last[^│]*│\s*([0-9.]+)", result.stdout)
+    figures = ", ".join(part for part in (train and f"train loss {train.group(1)}", val and f"val loss {val.group(1)}")
+                        if part) or result.stdout[-200:]  # fmt: skip
+    record(f"demo GPT, {strategy}, 20 steps, bf16-mixed", result.returncode == 0, f"{seconds:.0f} s, {figures}")
+    if result.returncode != 0:
+        print(result.stdout[-4000:], result.stderr[-6000:], sep="\n")
+
+
+# ------------------------------------------------------------------------------ main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="also write gpu_check.json and gpu_check.txt here")
+    parser.add_argument("--cpu-rehearsal", action="store_true",
+                        help="run every part on the CPU instead (the host build and interpreted Triton in place of "
+                             "the GPU kernels), to check this script before a GPU is at hand")  # fmt: skip
+    args = parser.parse_args()
+    start = time.perf_counter()
+    guarded("environment", environment)
+    if args.cpu_rehearsal:
+        os.environ["TRITON_INTERPRET"] = "1"
+        cpu = torch.device("cpu")
+        guarded("host parity", lambda: parity("host", cpu))
+        guarded("triton parity", lambda: parity("triton", cpu))
+        guarded("vs torch fused AdamW", lambda: versus_torch("cpu", cpu))
+        guarded("bandwidth", lambda: bandwidth(cpu, int(4e6)))
+        guarded("pytest tests/gpu", gpu_tests)
+        guarded("demo zero3_offload", lambda: demo("zero3_offload", "cpu"))
+    elif torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        guarded("build the CUDA op", build)
+        guarded("cuda parity", lambda: parity("cuda", cuda))
+        guarded("triton parity", lambda: parity("triton", cuda))
+        guarded("vs torch fused AdamW", lambda: versus_torch("cuda", cuda))
+        guarded("bandwidth", lambda: bandwidth(cuda, int(64e6)))
+        guarded("pytest tests/gpu", gpu_tests)
+        guarded("demo zero3_offload", lambda: demo("zero3_offload", "gpu"))
+        guarded("demo zero3", lambda: demo("zero3", "gpu"))
+    table = Table(title=f"lightning_zero GPU check ({time.perf_counter() - start:.0f} s)")
+    for column in ("check", "result", "figures"):
+        table.add_column(column, overflow="fold")
+    for row in ROWS:
+        table.add_row(row["check"], row["result"], row["figures"])
+    Console(width=160).print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.json").write_text(json.dumps(ROWS, indent=2))
+        text = io.StringIO()
+        Console(file=text, width=160).print(table)
+        (out / "gpu_check.txt").write_text(text.getvalue())
+    if not torch.cuda.is_available() and not args.cpu_rehearsal:
+        sys.exit(2)
+    sys.exit(0 if all(row["result"] != "FAILED" for row in ROWS) else 1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
