@@ -269,7 +269,8 @@ void run(
     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
     const std::vector<at::Tensor>& outs, const std::optional<at::Tensor>& grad_scale,
     const std::optional<at::Tensor>& found_inf, int64_t step, double lr, double beta1, double beta2, double eps,
-    double weight_decay, bool adamw_mode, double scale, c10::DeviceType device, const Launcher& launcher) {
+    double weight_decay, bool adamw_mode, double scale, c10::DeviceType device, const Launcher& launcher,
+    int64_t max_part_numel = 0) {
   check_lists(grads, masters, exp_avgs, exp_avg_sqs, outs, device);
   check_scalar(grad_scale, "grad_scale", device);
   check_scalar(found_inf, "found_inf", device);
@@ -280,14 +281,22 @@ void run(
   const AdamConstants c = make_constants(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, scale);
   const float* scale_ptr = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
   const float* inf_ptr = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
-  std::vector<mta::TensorRef> refs(masters.size());
+  TORCH_CHECK(max_part_numel >= 0 && max_part_numel % mta::kChunk == 0,
+              "fused_adam: max_part_numel must be a multiple of ", mta::kChunk, ", got ", max_part_numel);
+  const int64_t part_limit = max_part_numel > 0 ? max_part_numel : mta::kMaxChunksPerTensor * mta::kChunk;
+  const int64_t element_size[mta::kSlots] = {
+      grads[0].element_size(), 4, 4, 4, outs.empty() ? 0 : outs[0].element_size()};
+  std::vector<mta::TensorRef> refs;
+  refs.reserve(masters.size());
   for (size_t i = 0; i < masters.size(); ++i) {
-    refs[i].addresses[mta::kGrad] = grads[i].data_ptr();
-    refs[i].addresses[mta::kMaster] = masters[i].data_ptr();
-    refs[i].addresses[mta::kExpAvg] = exp_avgs[i].data_ptr();
-    refs[i].addresses[mta::kExpAvgSq] = exp_avg_sqs[i].data_ptr();
-    refs[i].addresses[mta::kOut] = outs.empty() ? nullptr : outs[i].data_ptr();
-    refs[i].numel = masters[i].numel();
+    mta::TensorRef ref{};
+    ref.addresses[mta::kGrad] = grads[i].data_ptr();
+    ref.addresses[mta::kMaster] = masters[i].data_ptr();
+    ref.addresses[mta::kExpAvg] = exp_avgs[i].data_ptr();
+    ref.addresses[mta::kExpAvgSq] = exp_avg_sqs[i].data_ptr();
+    ref.addresses[mta::kOut] = outs.empty() ? nullptr : outs[i].data_ptr();
+    ref.numel = masters[i].numel();
+    mta::for_each_part(ref, element_size, part_limit, refs);
   }
   auto with_types = [&](auto grad_tag, auto out_tag) {
     using GradT = decltype(grad_tag);

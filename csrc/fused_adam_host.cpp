@@ -44,17 +44,21 @@ struct HostLauncher {
   }
 };
 
+// `threads`: per emulated block (fewer than the kernel's kThreads tests its strided loop);
+// `max_part_numel`: tensors are split into parts of this many elements (0: the kernel's own
+// limit, see [Note: multi-tensor launches]), so tests can check the split on small tensors.
+// Returns the number of tables launched.
 int64_t fused_adam_host(
     const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& masters,
     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
     const std::vector<at::Tensor>& outs, const std::optional<at::Tensor>& grad_scale,
     const std::optional<at::Tensor>& found_inf, int64_t step, double lr, double beta1, double beta2, double eps,
-    double weight_decay, bool adamw_mode, double scale, int64_t threads) {
+    double weight_decay, bool adamw_mode, double scale, int64_t threads, int64_t max_part_numel) {
   TORCH_CHECK(threads >= 1 && threads <= mta::kThreads, "threads must be in [1, ", mta::kThreads, "], got ", threads);
   int64_t launches = 0;
   const HostLauncher launcher{static_cast<int>(threads), &launches};
   run(grads, masters, exp_avgs, exp_avg_sqs, outs, grad_scale, found_inf, step, lr, beta1, beta2, eps, weight_decay,
-      adamw_mode, scale, c10::DeviceType::CPU, launcher);
+      adamw_mode, scale, c10::DeviceType::CPU, launcher, max_part_numel);
   return launches;
 }
 
@@ -66,7 +70,8 @@ TORCH_LIBRARY_FRAGMENT(lightning_zero, m) {
   m.def(
       "_fused_adam_host(Tensor[] grads, Tensor(a!)[] masters, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] low_precision_outs, Tensor? grad_scale, Tensor? found_inf, int step, float lr, float beta1, "
-      "float beta2, float eps, float weight_decay, bool adamw_mode, float scale, int threads) -> int");
+      "float beta2, float eps, float weight_decay, bool adamw_mode, float scale, int threads, "
+      "int max_part_numel) -> int");
 }
 
 TORCH_LIBRARY_IMPL(lightning_zero, CPU, m) {

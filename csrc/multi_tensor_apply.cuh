@@ -7,9 +7,16 @@
 // exp_avg, exp_avg_sq, low-precision out: Slot below), and the blocks of one launch each take
 // one chunk of kChunk elements of one tensor (block_tensor / block_chunk). The table is passed
 // by value as a kernel argument (constant memory, no copy to the device and no host sync), so
-// it must stay under the 4 KiB argument limit: kMaxTensors and kMaxBlocks are sized for that
-// (static_assert below). When either fills up, the table is launched and a new one is started
-// (a tensor may continue in the next table).
+// it must stay under the 4 KiB argument limit every architecture accepts (static_assert below).
+// When either part fills up, the table is launched and a new one is started (a tensor may
+// continue in the next table).
+//
+// Blocks per launch matter more than tensors: the launches of one stream run one after another,
+// and the last wave of each leaves SMs idle. At 64 registers a thread, 2 blocks of 512 threads
+// fit an SM, so an H100/H200 (132 SMs) runs 264 at once; 320 blocks a launch (ATen's choice)
+// would be 1.2 waves, 640 are 2.4. So the chunk index is 16 bits (3 bytes a block with the
+// tensor index), and the host splits a tensor of more than 65535 chunks (4.3e9 elements) into
+// parts the table can index (for_each_part).
 //
 // Everything but the __global__ wrapper is plain C++ marked LZ_HOST_DEVICE: the planner
 // (for_each_table) is host code, and the block body a kernel runs can be called on the host
@@ -21,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #if defined(__CUDACC__)
 #define LZ_HOST_DEVICE __host__ __device__
@@ -37,7 +45,7 @@ namespace mta {
 enum Slot : int { kGrad = 0, kMaster = 1, kExpAvg = 2, kExpAvgSq = 3, kOut = 4, kSlots = 5 };
 
 constexpr int kMaxTensors = 36;   // tensors per table
-constexpr int kMaxBlocks = 320;   // blocks (chunks) per launch
+constexpr int kMaxBlocks = 640;   // blocks (chunks) per launch
 constexpr int64_t kChunk = 65536; // elements per block: 64K elements is ~1.8 MB of traffic
 constexpr int kThreads = 512;     // threads per block
 constexpr int kIlp = 4;           // consecutive elements per thread and iteration (one 16-byte fp32 load)
@@ -46,9 +54,10 @@ struct TensorTable {
   void* addresses[kSlots][kMaxTensors];  // nullptr in kOut: no low-precision copy
   int64_t numel[kMaxTensors];
   uint8_t block_tensor[kMaxBlocks];      // which tensor block b works on
-  int32_t block_chunk[kMaxBlocks];       // which chunk of it
+  uint16_t block_chunk[kMaxBlocks];      // which chunk of it
 };
 static_assert(kMaxTensors <= 256, "block_tensor is a uint8_t");
+constexpr int64_t kMaxChunksPerTensor = 65535;  // what block_chunk can index; longer tensors are split
 // The table and the kernel's other arguments (about 100 bytes of constants and two pointers)
 // must fit into the 4 KiB of kernel parameters every CUDA architecture accepts.
 static_assert(sizeof(TensorTable) + 256 <= 4096, "TensorTable must fit the 4 KiB kernel-argument limit");
@@ -60,7 +69,8 @@ struct TensorRef {
 };
 
 // Packs `tensors` into tables and calls `launch(table, number_of_blocks)` for each full one,
-// then for the last. Tensors with no elements are skipped. Host code.
+// then for the last. Tensors with no elements are skipped; each must have at most
+// kMaxChunksPerTensor chunks (for_each_part makes them so). Host code.
 inline void for_each_table(
     const TensorRef* tensors, int64_t count, const std::function<void(const TensorTable&, int)>& launch) {
   TensorTable table{};
@@ -81,7 +91,7 @@ inline void for_each_table(
         ++tensors_in_table;
       }
       table.block_tensor[blocks] = static_cast<uint8_t>(tensors_in_table - 1);
-      table.block_chunk[blocks] = static_cast<int32_t>(chunk);
+      table.block_chunk[blocks] = static_cast<uint16_t>(chunk);
       ++blocks;
       const bool tensor_done = chunk == chunks - 1;
       const bool blocks_full = blocks == kMaxBlocks;
@@ -103,6 +113,25 @@ inline void for_each_table(
   }
   if (blocks > 0) {
     launch(table, blocks);
+  }
+}
+
+// Appends `ref` to `parts`, split into parts of at most `max_part_numel` elements (whole
+// chunks), each slot's address advanced by its element size. Host code.
+inline void for_each_part(const TensorRef& ref, const int64_t element_size[kSlots], int64_t max_part_numel,
+                          std::vector<TensorRef>& parts) {
+  for (int64_t start = 0; start < ref.numel; start += max_part_numel) {
+    TensorRef part = ref;
+    for (int s = 0; s < kSlots; ++s) {
+      if (ref.addresses[s] != nullptr) {
+        part.addresses[s] = static_cast<char*>(ref.addresses[s]) + start * element_size[s];
+      }
+    }
+    part.numel = ref.numel - start < max_part_numel ? ref.numel - start : max_part_numel;
+    parts.push_back(part);
+  }
+  if (ref.numel == 0) {
+    parts.push_back(ref);
   }
 }
 

@@ -163,19 +163,39 @@ def test_a_tensor_scale_and_found_inf_are_read_on_the_device(backend: str) -> No
     _assert_equal(tensors, before, f"{backend} after a clear flag")
 
 
+def _host(tensors: dict[str, list[Any]], step: int, scale: float, threads: int = 512, max_part_numel: int = 0) -> int:
+    """The host build's op directly: returns how many tables it launched."""
+    return int(torch.ops.lightning_zero._fused_adam_host(
+        tensors["grads"], tensors["masters"], tensors["exp_avgs"], tensors["exp_avg_sqs"],
+        [out for out in tensors["outs"] if out is not None], None, None, step, HYPER["lr"], 0.9, HYPER["beta2"],
+        HYPER["eps"], 0.0, True, scale, threads, max_part_numel,
+    ))  # fmt: skip
+
+
 def test_the_launcher_splits_many_tensors_and_long_ones_over_tables() -> None:
-    """multi_tensor_apply.cuh packs at most 36 tensors and 320 chunks per launch: 100 small
-    tensors take 3 tables, and a tensor of 330 chunks continues from one table into the next."""
+    """multi_tensor_apply.cuh packs at most 36 tensors and 640 chunks per launch: 100 small
+    tensors take 3 tables, and chunks of one tensor continue from one table into the next."""
     _needs("host")
-    op = torch.ops.lightning_zero._fused_adam_host
-    for sizes, launches in (([5] * 100, 3), ([330 * CHUNK + 1], 2), ([10, 321 * CHUNK, 10] + [3] * 40, 3)):
+    for sizes, launches in (([5] * 100, 3), ([10, 639 * CHUNK, 10] + [3] * 40, 3), ([641 * CHUNK + 1], 2)):
         tensors = _tensors(sizes, torch.float32, torch.bfloat16, seed=4)
         expected = _clone(tensors)
         _reference(expected, 1, 0.9, 0.0, True, scale=1.0)
-        count = op(tensors["grads"], tensors["masters"], tensors["exp_avgs"], tensors["exp_avg_sqs"], tensors["outs"],
-                   None, None, 1, HYPER["lr"], 0.9, HYPER["beta2"], HYPER["eps"], 0.0, True, 1.0, 512)  # fmt: skip
-        assert count == launches, sizes[:4]
+        assert _host(tensors, 1, 1.0) == launches, sizes[:4]
         _assert_equal(tensors, expected, f"{len(sizes)} tensors")
+        del tensors, expected
+
+
+def test_tensors_longer_than_a_table_can_index_are_split_into_parts() -> None:
+    """Past 65535 chunks a tensor is split into parts (at most 4.3e9 elements each in the
+    kernel); with parts of 2 chunks, 40 tensors of 5 chunks are 120 parts: 4 tables of 36."""
+    _needs("host")
+    tensors = _tensors([5 * CHUNK - 7] * 40, torch.bfloat16, torch.bfloat16, seed=12)
+    expected = _clone(tensors)
+    _reference(expected, 1, 0.9, 0.0, True, scale=1.0)
+    assert _host(tensors, 1, 1.0, max_part_numel=2 * CHUNK) == 4
+    _assert_equal(tensors, expected, "parts")
+    with pytest.raises(RuntimeError, match="max_part_numel must be a multiple of 65536"):
+        _host(tensors, 1, 1.0, max_part_numel=1000)
 
 
 def test_fewer_threads_per_block_loop_over_the_chunk() -> None:
@@ -184,10 +204,7 @@ def test_fewer_threads_per_block_loop_over_the_chunk() -> None:
     tensors = _tensors([CHUNK, 999], torch.float16, torch.float16, seed=5)
     expected = _clone(tensors)
     _reference(expected, 2, 0.9, 0.0, True, scale=2.0)
-    torch.ops.lightning_zero._fused_adam_host(
-        tensors["grads"], tensors["masters"], tensors["exp_avgs"], tensors["exp_avg_sqs"], tensors["outs"],
-        None, None, 2, HYPER["lr"], 0.9, HYPER["beta2"], HYPER["eps"], 0.0, True, 2.0, 3,
-    )  # fmt: skip
+    _host(tensors, 2, 2.0, threads=3)
     _assert_equal(tensors, expected, "3 threads")
 
 

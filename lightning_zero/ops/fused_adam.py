@@ -157,7 +157,7 @@ def _fused_adam_op(
             )  # fmt: skip
     elif backend == "host":
         torch.ops.lightning_zero._fused_adam_host(
-            *lists, grad_scale, found_inf, step, lr, beta1, beta2, eps, weight_decay, adamw_mode, scale, 512
+            *lists, grad_scale, found_inf, step, lr, beta1, beta2, eps, weight_decay, adamw_mode, scale, 512, 0
         )
     elif backend == "triton":
         from lightning_zero.ops.triton_adam import triton_adam_
