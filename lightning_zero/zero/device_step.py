@@ -60,6 +60,12 @@ def check_device_backend(config: ZeroConfig, device: torch.device) -> None:
         raise ValueError(
             f"ZeroConfig.fused_adam={choice!r} runs on CPU masters, but they are on {device}. Use fused_adam='auto'."
         )
+    if choice == "triton":
+        from lightning_zero.ops.triton_adam import triton_unavailable_reason
+
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"ZeroConfig.fused_adam='triton' cannot step masters on {device}: {reason}.")
 
 
 def device_adam_masters(
