@@ -224,6 +224,7 @@ def main() -> None:
         guarded("bandwidth", lambda: bandwidth(cpu, int(4e6)))
         guarded("pytest tests/gpu", gpu_tests)
         guarded("demo zero3_offload", lambda: demo("zero3_offload", "cpu"))
+        guarded("demo zero3", lambda: demo("zero3", "cpu"))
     elif torch.cuda.is_available():
         cuda = torch.device("cuda")
         guarded("build the CUDA op", build)
