@@ -53,7 +53,10 @@ def adam_kernel(
         exp_avg = _load_ptr(addresses, 2, t, n_tensors, 0)
         exp_avg_sq = _load_ptr(addresses, 3, t, n_tensors, 0)
         start = chunk * CHUNK
-        for offset in range(0, CHUNK, BLOCK):
+        # Up to the tensor's end, not the chunk's: a program for a short tensor (a bias, a norm)
+        # runs the few iterations it needs.
+        length = tl.minimum(numel - start, CHUNK)
+        for offset in range(0, length, BLOCK):
             index = start + offset + tl.arange(0, BLOCK)
             mask = index < numel
             g = tl.load(grad + index, mask=mask, other=0.0).to(tl.float32) * scale

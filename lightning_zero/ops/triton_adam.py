@@ -108,9 +108,11 @@ class _Tables:
     def __init__(self) -> None:
         self._cache: OrderedDict[tuple[Any, ...], tuple[Tensor, Tensor, Tensor, Tensor]] = OrderedDict()
 
-    def get(self, slots: list[list[Tensor]], device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def get(
+        self, slots: list[list[Tensor]], device: torch.device, chunk: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         numels = [t.numel() for t in slots[1]]
-        key = (device, tuple(numels), *(tuple(t.data_ptr() for t in slot) for slot in slots))
+        key = (device, chunk, tuple(numels), *(tuple(t.data_ptr() for t in slot) for slot in slots))
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
@@ -119,7 +121,7 @@ class _Tables:
         tensor_of: list[int] = []
         chunk_of: list[int] = []
         for index, numel in enumerate(numels):
-            chunks = -(-numel // CHUNK)
+            chunks = -(-numel // chunk)
             tensor_of += [index] * chunks
             chunk_of += range(chunks)
         entry = (
@@ -163,8 +165,9 @@ def triton_adam_(
     reason = triton_unavailable_reason(device)
     if reason is not None:
         raise RuntimeError(f"the Triton Adam kernel cannot run: {reason}")
+    chunk, block = CHUNK, BLOCK  # read per call: tests shrink them to run the interpreter faster
     addresses, numels, program_tensor, program_chunk = _TABLES.get(
-        [grads, masters, exp_avgs, exp_avg_sqs, low_precision_outs], device
+        [grads, masters, exp_avgs, exp_avg_sqs, low_precision_outs], device, chunk
     )
     constants = adam_constants(step, lr, beta1, beta2, eps, weight_decay, adamw_mode)
     # A dummy pointer where an optional scalar is absent; the kernel never reads it.
@@ -180,5 +183,5 @@ def triton_adam_(
             GRAD_CODE=_DTYPE_CODES[grads[0].dtype],
             OUT_CODE=_DTYPE_CODES[low_precision_outs[0].dtype] if low_precision_outs else 0,
             HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            LERP_FROM_GRAD=constants["LERP_FROM_GRAD"], L2=constants["L2"], CHUNK=CHUNK, BLOCK=BLOCK,
+            LERP_FROM_GRAD=constants["LERP_FROM_GRAD"], L2=constants["L2"], CHUNK=chunk, BLOCK=block,
         )  # fmt: skip

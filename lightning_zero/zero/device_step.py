@@ -11,7 +11,8 @@ buffer the parameters are published from: at stages 1/2 a device staging chunk p
 the all-gather sends as it is (no cast-and-copy pass), at stage 3 the unit's own parameter
 shard. The optimizer state stays torch's (``step`` a CPU float tensor, ``exp_avg``,
 ``exp_avg_sq``), so checkpoints are the same as with the optimizer's own step. Masters are
-grouped into one call per (param group, step count); a call launches once per table of tensors.
+grouped into one call per (param group, step count, device); a call launches once per table of
+tensors (and per gradient/copy dtype).
 """
 
 from __future__ import annotations
@@ -70,58 +71,63 @@ def check_device_backend(config: ZeroConfig, device: torch.device) -> None:
 
 def device_adam_masters(
     optimizer: Optimizer, config: ZeroConfig, trained: list[list[Tensor]], exclude: set[Tensor]
-) -> list[tuple[dict[str, Any], Tensor]]:
-    """(param group, master) pairs of ``trained`` (per param group) that the fused kernel steps:
-    fp32 masters not in ``exclude`` (the offloaded ones the CPU step takes) of fusable groups."""
-    pairs = []
+) -> list[tuple[dict[str, Any], list[Tensor]]]:
+    """Per param group of ``trained``, the masters the fused kernel steps: fp32 masters not in
+    ``exclude`` (the offloaded ones the CPU step takes) of fusable groups; groups without any
+    are left out."""
+    fused = []
     for group, masters in zip(optimizer.param_groups, trained):
         if not adam_group_is_fusable(optimizer, group):
             continue
-        for master in masters:
-            if master in exclude or master.dtype != torch.float32:
-                continue
-            if device_adam_backend(config, master.device) is not None:
-                pairs.append((group, master))
-    return pairs
+        mine = [
+            master for master in masters
+            if master not in exclude and master.dtype == torch.float32
+            and device_adam_backend(config, master.device) is not None
+        ]  # fmt: skip
+        if mine:
+            fused.append((group, mine))
+    return fused
 
 
 def device_adam_step(
     optimizer: Optimizer,
-    pairs: list[tuple[dict[str, Any], Tensor]],
+    fused: list[tuple[dict[str, Any], list[Tensor]]],
     coefficient: Tensor | float,
     staging: StagingBuffers | None,
     config: ZeroConfig,
 ) -> None:
-    """One Adam/AdamW step of every master in ``pairs`` (its ``.grad`` times ``coefficient``),
-    keeping its state in ``optimizer.state`` as torch's Adam would; writes the staging copies."""
+    """One Adam/AdamW step of every master in ``fused`` (per param group; its ``.grad`` times
+    ``coefficient``), keeping its state in ``optimizer.state`` as torch's Adam would; writes the
+    staging copies."""
     from lightning_zero.ops.fused_adam import multi_tensor_adam_step
 
-    calls: dict[tuple[int, int, torch.device], tuple[dict[str, Any], list[Tensor]]] = {}
-    for group, master in pairs:
-        state = optimizer.state[master]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(master)
-            state["exp_avg_sq"] = torch.zeros_like(master)
-        state["step"] += 1
-        if staging is not None:
-            staging.mark_written(master)
-        key = (id(group), int(state["step"].item()), master.device)
-        calls.setdefault(key, (group, []))[1].append(master)
-    for (_, step, device), (group, masters) in calls.items():
+    for group, masters in fused:
+        # One call per step count and device: the bias correction is per call.
+        calls: dict[tuple[int, torch.device], list[Tensor]] = {}
+        for master in masters:
+            state = optimizer.state[master]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(master)
+                state["exp_avg_sq"] = torch.zeros_like(master)
+            state["step"] += 1
+            if staging is not None:
+                staging.mark_written(master)
+            calls.setdefault((int(state["step"].item()), master.device), []).append(master)
         beta1, beta2 = group["betas"]
-        factor = coefficient
-        if isinstance(coefficient, Tensor):
-            factor = coefficient.detach().to(device=device, dtype=torch.float32).reshape(1)
-        backend = device_adam_backend(config, device)
-        assert backend is not None  # device_adam_masters only pairs masters that have one
-        multi_tensor_adam_step(
-            masters, [m.grad for m in masters], [optimizer.state[m]["exp_avg"] for m in masters],  # type: ignore[misc]
-            [optimizer.state[m]["exp_avg_sq"] for m in masters],
-            step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            adamw_mode=bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
-            grad_scale=factor,
-            low_precision_outs=[staging.view_for(m) if staging is not None else None for m in masters],
-            backend=backend,
-        )  # fmt: skip
+        for (step, device), members in calls.items():
+            factor = coefficient
+            if isinstance(coefficient, Tensor):
+                factor = coefficient.detach().to(device=device, dtype=torch.float32).reshape(1)
+            backend = device_adam_backend(config, device)
+            assert backend is not None  # device_adam_masters only takes masters that have one
+            multi_tensor_adam_step(
+                members, [m.grad for m in members],  # type: ignore[misc]
+                [optimizer.state[m]["exp_avg"] for m in members], [optimizer.state[m]["exp_avg_sq"] for m in members],
+                step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                adamw_mode=bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
+                grad_scale=factor,
+                low_precision_outs=[staging.view_for(m) if staging is not None else None for m in members],
+                backend=backend,
+            )  # fmt: skip

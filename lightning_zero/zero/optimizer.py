@@ -328,7 +328,7 @@ class ShardedOptimizer(Optimizer):
                 self.optimizer.step()
             return
         coefficient = self._grad_coefficient_now()
-        fused_masters = {master for _, master in fused_cpu} | {master for _, master in fused_device}
+        fused_masters = {master for _, master in fused_cpu} | {m for _, masters in fused_device for m in masters}
         rest = [[m for m in masters if m not in fused_masters] for masters in trained]
         if isinstance(coefficient, Tensor) or coefficient != 1.0:
             for master in (m for masters in rest for m in masters):
