@@ -208,8 +208,12 @@ def _torch_adam(
     if _skip_on_host(found_inf):
         return
     factor: Tensor | float = grad_scale if grad_scale is not None else scale
-    if isinstance(factor, Tensor) or factor != 1.0 or grads[0].dtype != torch.float32:
-        scaled = torch._foreach_mul([g.float() for g in grads], factor)  # type: ignore[arg-type]
+    if grads[0].dtype != torch.float32:
+        scaled = [g.float() for g in grads]  # the upcast pass, into new tensors
+        if isinstance(factor, Tensor) or factor != 1.0:
+            torch._foreach_mul_(scaled, factor)  # type: ignore[arg-type]
+    elif isinstance(factor, Tensor) or factor != 1.0:
+        scaled = torch._foreach_mul(list(grads), factor)  # type: ignore[arg-type]
     else:
         scaled = list(grads)
     fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
