@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-KERNEL_SOURCES = {"cpu_adam.cpp", "fused_adam.cu", "fused_adam.cuh", "fused_adam_host.cpp", "multi_tensor_apply.cuh"}
+KERNEL_SOURCES = {"adam_constants.h", "cpu_adam.cpp", "fused_adam.cu", "fused_adam.cuh", "fused_adam_host.cpp", "multi_tensor_apply.cuh"}
 
 
 def test_every_package_is_listed_in_pyproject() -> None:

@@ -45,6 +45,7 @@ DISABLE_ENV = _build.DISABLE_ENV  # named here too, where the notes above docume
 BUILD_DIR_ENV = _build.BUILD_DIR_ENV
 EXTENSION_NAME = "lightning_zero_cpu_adam"
 _SOURCE = "cpu_adam.cpp"
+_HEADER = "adam_constants.h"  # shared with the CUDA kernel
 
 # Codes of the lane widths compiled into csrc/cpu_adam.cpp (kIsa* there).
 _ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -87,6 +88,7 @@ def _target_isa() -> str:
 def _build_and_load() -> int:
     """Compile (or find in the cache) and load the library; returns its compiled ISA code."""
     source = source_path(_SOURCE)
+    source_path(_HEADER)  # a copy without the header fails here, naming it
     check_toolchain()
     isa = _target_isa()
     load_extension(

@@ -52,8 +52,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "cuda", "triton", "cpu", "torch", "host")
-_CUDA_SOURCES = ("fused_adam.cu", "fused_adam.cuh", "multi_tensor_apply.cuh")
-_HOST_SOURCES = ("fused_adam_host.cpp", "fused_adam.cuh", "multi_tensor_apply.cuh")
+_CUDA_SOURCES = ("fused_adam.cu", "fused_adam.cuh", "multi_tensor_apply.cuh", "adam_constants.h")
+_HOST_SOURCES = ("fused_adam_host.cpp", "fused_adam.cuh", "multi_tensor_apply.cuh", "adam_constants.h")
 # --fmad=false: nvcc must not fuse multiplies and adds the source did not fuse (see [Note: the
 # same bits on the host and on the device] in csrc/fused_adam.cuh); -O3 for the host side.
 _NVCC_FLAGS = ["-O3", "--fmad=false", "-lineinfo"]
