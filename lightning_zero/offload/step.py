@@ -66,6 +66,29 @@ def fused_cpu_masters(
     return pairs
 
 
+def advance_adam_state(optimizer: Optimizer, master: Tensor) -> int:
+    """Creates ``master``'s state as torch's Adam does on its first step (``step`` a CPU float
+    tensor, ``exp_avg``, ``exp_avg_sq``), counts one more step and returns the new count. Shared
+    by the fused CPU and device steps, so checkpoints read the same as the optimizer's own."""
+    state = optimizer.state[master]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(master)
+        state["exp_avg_sq"] = torch.zeros_like(master)
+    state["step"] += 1
+    return int(state["step"].item())
+
+
+def adam_hyperparameters(optimizer: Optimizer, group: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of the fused Adam kernels for one param group of torch's Adam/AdamW."""
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
+        "weight_decay": float(group["weight_decay"]),
+        "adamw_mode": bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
+    }  # fmt: skip
+
+
 def cpu_adam_step(
     optimizer: Optimizer, group: dict[str, Any], master: Tensor, coefficient: float, staging: StagingBuffers | None
 ) -> None:
@@ -73,25 +96,17 @@ def cpu_adam_step(
     its state in ``optimizer.state`` exactly as torch's Adam would; writes the staging copy."""
     from lightning_zero.ops import fused_adam_step
 
-    state = optimizer.state[master]
-    if not state:
-        state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = torch.zeros_like(master)
-        state["exp_avg_sq"] = torch.zeros_like(master)
-    state["step"] += 1
+    step = advance_adam_state(optimizer, master)
     if staging is not None:
         staging.mark_written(master)
     if master.numel() == 0:
         return  # a parameter with no element on this rank: only its step count moves
-    beta1, beta2 = group["betas"]
+    state = optimizer.state[master]
     fused_adam_step(
-        master, master.grad, state["exp_avg"], state["exp_avg_sq"],
-        step=int(state["step"].item()), lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-        eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-        adamw_mode=bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
-        grad_scale=coefficient,
+        master, master.grad, state["exp_avg"], state["exp_avg_sq"], step=step, grad_scale=coefficient,
         low_precision_out=staging.view_for(master) if staging is not None else None,
-    )
+        **adam_hyperparameters(optimizer, group),
+    )  # fmt: skip
 
 
-__all__ = ["StagingBuffers", "cpu_adam_step", "fused_cpu_masters"]
+__all__ = ["StagingBuffers", "adam_hyperparameters", "advance_adam_state", "cpu_adam_step", "fused_cpu_masters"]

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from lightning_zero.ops import _build
 from lightning_zero.ops._build import LazyExtension, check_toolchain, load_extension, source_path
+from lightning_zero.ops._checks import check_tensor
 
 __all__ = ["CPUAdam", "CPUAdamFallbackWarning", "cpu_adam_available", "fused_adam_step"]
 
@@ -125,20 +126,7 @@ def _kernel_isa() -> str | None:
 
 # ------------------------------------------------------------------------------ the step
 def _check_tensor(name: str, tensor: Tensor, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"fused_adam_step: {name} must be a Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"fused_adam_step: {name} is on {tensor.device}; it must be a CPU tensor")
-    if tensor.dtype not in dtypes:
-        allowed = ", ".join(str(d) for d in dtypes)
-        raise ValueError(f"fused_adam_step: {name} is {tensor.dtype}; it must be one of {allowed}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"fused_adam_step: {name} is not contiguous; pass {name}.contiguous()")
-    if numel is not None and tensor.numel() != numel:
-        raise ValueError(
-            f"fused_adam_step: {name} has {tensor.numel()} elements, master has {numel}; "
-            "all tensors of one step cover the same shard"
-        )
+    check_tensor("fused_adam_step", name, tensor, dtypes, numel, "cpu")
 
 
 def _check_step_args(

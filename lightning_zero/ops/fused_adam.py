@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.ops._build import LazyExtension, check_toolchain, load_extension, source_path
+from lightning_zero.ops._checks import check_tensor
 
 __all__ = [
     "BACKENDS",
@@ -281,17 +282,7 @@ def _check_list(name: str, tensors: Sequence[Any], count: int | None) -> None:
 def _check_tensor(
     name: str, tensor: Any, dtypes: tuple[torch.dtype, ...], device: torch.device, numel: int | None
 ) -> None:
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"multi_tensor_adam_step: {name} must be a Tensor, got {type(tensor).__name__}")
-    if tensor.device != device:
-        raise ValueError(f"multi_tensor_adam_step: {name} is on {tensor.device}, masters[0] on {device}")
-    if tensor.dtype not in dtypes:
-        allowed = ", ".join(str(d) for d in dtypes)
-        raise ValueError(f"multi_tensor_adam_step: {name} is {tensor.dtype}; it must be one of {allowed}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"multi_tensor_adam_step: {name} is not contiguous; pass {name}.contiguous()")
-    if numel is not None and tensor.numel() != numel:
-        raise ValueError(f"multi_tensor_adam_step: {name} has {tensor.numel()} elements, its master has {numel}")
+    check_tensor("multi_tensor_adam_step", name, tensor, dtypes, numel, device)
 
 
 def _check_scalar(name: str, tensor: Tensor | None, device: torch.device) -> None:

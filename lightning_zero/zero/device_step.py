@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.offload.step import StagingBuffers
+from lightning_zero.offload.step import StagingBuffers, adam_hyperparameters, advance_adam_state
 
 __all__ = ["adam_group_is_fusable", "device_adam_backend", "device_adam_masters", "device_adam_step"]
 
@@ -105,16 +105,10 @@ def device_adam_step(
         # One call per step count and device: the bias correction is per call.
         calls: dict[tuple[int, torch.device], list[Tensor]] = {}
         for master in masters:
-            state = optimizer.state[master]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(master)
-                state["exp_avg_sq"] = torch.zeros_like(master)
-            state["step"] += 1
+            step = advance_adam_state(optimizer, master)
             if staging is not None:
                 staging.mark_written(master)
-            calls.setdefault((int(state["step"].item()), master.device), []).append(master)
-        beta1, beta2 = group["betas"]
+            calls.setdefault((step, master.device), []).append(master)
         for (step, device), members in calls.items():
             factor = coefficient
             if isinstance(coefficient, Tensor):
@@ -124,10 +118,7 @@ def device_adam_step(
             multi_tensor_adam_step(
                 members, [m.grad for m in members],  # type: ignore[misc]
                 [optimizer.state[m]["exp_avg"] for m in members], [optimizer.state[m]["exp_avg_sq"] for m in members],
-                step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adamw_mode=bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
-                grad_scale=factor,
+                step=step, grad_scale=factor,
                 low_precision_outs=[staging.view_for(m) if staging is not None else None for m in members],
-                backend=backend,
+                backend=backend, **adam_hyperparameters(optimizer, group),
             )  # fmt: skip
