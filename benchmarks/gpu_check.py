@@ -31,16 +31,15 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "benchmarks")]
+# The package, this directory (fused_adam.py's benchmark) and the checks tests/gpu asserts.
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "benchmarks"), str(REPO_ROOT / "tests" / "gpu")]
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-HYPER: dict[str, Any] = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 ROWS: list[dict[str, str]] = []
 
 
@@ -85,75 +84,18 @@ def build() -> None:
     record("build the CUDA op (ninja; cached after the first run)", available, f"{seconds:.1f} s{detail}")
 
 
-def _shard(grad_dtype: torch.dtype, out_dtype: torch.dtype | None, seed: int) -> dict[str, list[Any]]:
-    generator = torch.Generator().manual_seed(seed)
-    sizes = [1, 7, 0, 1000, 2 * 65536 + 3, 33] + [257] * 40
-    return {
-        "masters": [torch.randn(n, generator=generator) for n in sizes],
-        "grads": [(torch.randn(n, generator=generator) * 3).to(grad_dtype) for n in sizes],
-        "exp_avgs": [torch.randn(n, generator=generator) * 0.1 for n in sizes],
-        "exp_avg_sqs": [torch.rand(n, generator=generator) * 0.01 for n in sizes],
-        "outs": [torch.empty(n, dtype=out_dtype) if out_dtype is not None else None for n in sizes],
-    }
+def parity(backend: str, device: torch.device) -> None:
+    from fused_adam_checks import DTYPES, differing_from_reference
+
+    counts = {label: differing_from_reference(backend, device, label) for label in DTYPES}
+    record(f"{backend} kernel vs CPU reference, bit for bit (3 steps + skipped ones, scale, inf)",
+           not any(counts.values()), "differing elements: " + ", ".join(f"{k} {v}" for k, v in counts.items()))  # fmt: skip
 
 
-def _differing(gpu: dict[str, list[Any]], cpu: dict[str, list[Any]]) -> int:
-    count = 0
-    for key in cpu:
-        for a, b in zip(gpu[key], cpu[key]):
-            if b is not None:
-                a = a.cpu()
-                count += int((~((a == b) | (a.isnan() & b.isnan()))).sum())
-    return count
+def versus_torch(backend: str, device: torch.device) -> None:
+    from fused_adam_checks import relative_error_vs_torch_fused
 
-
-def parity(backend: str, cuda: torch.device) -> None:
-    from lightning_zero.ops import fused_adam
-    from lightning_zero.ops._reference import reference_adam_step
-
-    results = []
-    for grad_dtype, out_dtype, label in ((torch.float32, None, "fp32"), (torch.bfloat16, torch.bfloat16, "bf16"),
-                                         (torch.float16, torch.float16, "fp16")):  # fmt: skip
-        cpu = _shard(grad_dtype, out_dtype, seed=1)
-        cpu["grads"][3][10] = float("inf")  # an inf gradient propagates as in the reference
-        gpu = {key: [t.to(cuda) if t is not None else None for t in values] for key, values in cpu.items()}
-        differing = 0
-        for step in (1, 2, 3):
-            for master, grad, exp_avg, exp_avg_sq, out in zip(*cpu.values()):
-                reference_adam_step(master, grad, exp_avg, exp_avg_sq, step=step, grad_scale=0.5,
-                                    low_precision_out=out, **HYPER)  # fmt: skip
-            args = (gpu["masters"], gpu["grads"], gpu["exp_avgs"], gpu["exp_avg_sqs"])
-            fused_adam.multi_tensor_adam_step(*args, step=step, grad_scale=torch.tensor([0.5], device=cuda),
-                                              low_precision_outs=gpu["outs"], backend=backend, **HYPER)  # fmt: skip
-            # A set flag: nothing may change.
-            fused_adam.multi_tensor_adam_step(*args, step=step + 1, found_inf=torch.tensor([1.0], device=cuda),
-                                              low_precision_outs=gpu["outs"], backend=backend, **HYPER)  # fmt: skip
-            if cuda.type == "cuda":
-                torch.cuda.synchronize()
-            differing += _differing(gpu, cpu)
-        results.append(f"{label} {differing}")
-    total = sum(int(part.split()[1]) for part in results)
-    record(f"{backend} kernel vs CPU reference, bit for bit (3 steps + a skipped one)", total == 0,
-           "differing elements: " + ", ".join(results))  # fmt: skip
-
-
-def versus_torch(backend: str, cuda: torch.device) -> None:
-    from lightning_zero.ops import fused_adam
-
-    generator = torch.Generator().manual_seed(3)
-    params = [torch.nn.Parameter(torch.randn(n, generator=generator).to(cuda)) for n in (5000, 70_001, 3)]
-    ours = [p.detach().clone() for p in params]
-    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in ours]
-    optimizer = torch.optim.AdamW(params, fused=True, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                                  eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])  # fmt: skip
-    for step in range(1, 21):
-        grads = [torch.randn(p.shape, generator=generator).to(cuda) for p in params]
-        for param, grad in zip(params, grads):
-            param.grad = grad
-        optimizer.step()
-        fused_adam.multi_tensor_adam_step(ours, grads, [m for m, _ in moments], [v for _, v in moments], step=step,
-                                          backend=backend, **HYPER)  # fmt: skip
-    error = max(float(((a - b.detach()).abs() / b.detach().abs().clamp_min(1e-6)).max()) for a, b in zip(ours, params))
+    error = relative_error_vs_torch_fused(backend, device)
     record(f"{backend} kernel vs torch.optim.AdamW(fused=True), 20 steps", error < 1e-5, f"max relative error {error:.2e}")
 
 

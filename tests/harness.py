@@ -114,3 +114,23 @@ def _get(queue: Any, processes: list[Any]) -> tuple[int, bool, Any]:
             return (processes.index(dead[0]), False, f"process exited with code {dead[0].exitcode}")
         time.sleep(0.05)
     return (-1, False, f"no result within {RANK_TIMEOUT_S} s (a hang in a collective?)")
+
+
+@contextmanager
+def recording_fused_backends() -> Iterator[list[str]]:
+    """Records the backend of every fused device Adam step (``ops.multi_tensor_adam_step``)
+    taken inside it, in this process."""
+    from lightning_zero.ops import fused_adam
+
+    ran: list[str] = []
+    original = fused_adam.multi_tensor_adam_step
+
+    def recording(*args: Any, **kwargs: Any) -> str:
+        ran.append(original(*args, **kwargs))
+        return ran[-1]
+
+    fused_adam.multi_tensor_adam_step = recording  # type: ignore[assignment]
+    try:
+        yield ran
+    finally:
+        fused_adam.multi_tensor_adam_step = original  # type: ignore[assignment]

@@ -12,9 +12,7 @@ after the step (stage 1/2: the all-gathered staging chunk, stage 3: the shard it
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import run_on_ranks
+from harness import recording_fused_backends, run_on_ranks
 from lightning_zero import Collectives, ZeroConfig, ZeroOptimizer
 from lightning_zero.config import FUSED_ADAM_CHOICES
 from lightning_zero.loss_scaler import LossScaleConfig, LossScaler
@@ -62,27 +60,8 @@ def _published_equal_rounded_masters(optimizer: Any) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _recording_backends() -> Iterator[list[str]]:
-    """Records which backend each fused device step ran with."""
-    from lightning_zero.ops import fused_adam
-
-    ran: list[str] = []
-    original = fused_adam.multi_tensor_adam_step
-
-    def spy(*args: Any, **kwargs: Any) -> str:
-        ran.append(original(*args, **kwargs))
-        return ran[-1]
-
-    fused_adam.multi_tensor_adam_step = spy  # type: ignore[assignment]
-    try:
-        yield ran
-    finally:
-        fused_adam.multi_tensor_adam_step = original  # type: ignore[assignment]
-
-
 def _run(stage: int, backend: str, dtype: torch.dtype, clip: bool, fp16: bool) -> dict[str, Any]:
-    with _recording_backends() as ran:
+    with recording_fused_backends() as ran:
         model = _model()
         param_dtype = None if dtype == torch.float32 else dtype
         scaler = LossScaler(LossScaleConfig(initial_scale_power=10)) if fp16 else None
@@ -139,7 +118,7 @@ def _trainer_runs() -> dict[str, Any]:
     ):
         pl.seed_everything(0)
         module = TinyGPT(scheduler=True)
-        with _recording_backends() as ran:
+        with recording_fused_backends() as ran:
             fit(module, strategy, WORLD, steps=12, gradient_clip_val=0.5)
         runs[name] = params_of(module)
         runs[f"{name} ran"] = sorted(set(ran))
