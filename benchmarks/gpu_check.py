@@ -159,24 +159,18 @@ def main() -> None:
     guarded("environment", environment)
     if args.cpu_rehearsal:
         os.environ["TRITON_INTERPRET"] = "1"
-        cpu = torch.device("cpu")
-        guarded("host parity", lambda: parity("host", cpu))
-        guarded("triton parity", lambda: parity("triton", cpu))
-        guarded("vs torch fused AdamW", lambda: versus_torch("cpu", cpu))
-        guarded("bandwidth", lambda: bandwidth(cpu, int(4e6)))
-        guarded("pytest tests/gpu", gpu_tests)
-        guarded("demo zero3_offload", lambda: demo("zero3_offload", "cpu"))
-        guarded("demo zero3", lambda: demo("zero3", "cpu"))
+        device, kernels, numel, accelerator = torch.device("cpu"), ("host", "triton"), int(4e6), "cpu"
     elif torch.cuda.is_available():
-        cuda = torch.device("cuda")
+        device, kernels, numel, accelerator = torch.device("cuda"), ("cuda", "triton"), int(64e6), "gpu"
         guarded("build the CUDA op", build)
-        guarded("cuda parity", lambda: parity("cuda", cuda))
-        guarded("triton parity", lambda: parity("triton", cuda))
-        guarded("vs torch fused AdamW", lambda: versus_torch("cuda", cuda))
-        guarded("bandwidth", lambda: bandwidth(cuda, int(64e6)))
+    if args.cpu_rehearsal or torch.cuda.is_available():
+        for kernel in kernels:
+            guarded(f"{kernel} parity", lambda kernel=kernel: parity(kernel, device))  # type: ignore[misc]
+        guarded("vs torch fused AdamW", lambda: versus_torch("cpu" if args.cpu_rehearsal else "cuda", device))
+        guarded("bandwidth", lambda: bandwidth(device, numel))
         guarded("pytest tests/gpu", gpu_tests)
-        guarded("demo zero3_offload", lambda: demo("zero3_offload", "gpu"))
-        guarded("demo zero3", lambda: demo("zero3", "gpu"))
+        for strategy in ("zero3_offload", "zero3"):
+            guarded(f"demo {strategy}", lambda strategy=strategy: demo(strategy, accelerator))  # type: ignore[misc]
     table = Table(title=f"lightning_zero GPU check ({time.perf_counter() - start:.0f} s)")
     for column in ("check", "result", "figures"):
         table.add_column(column, overflow="fold")
