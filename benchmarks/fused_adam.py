@@ -162,10 +162,9 @@ def run_benchmark(device: torch.device, numel: int, tensors: int, repeats: int) 
     notes: dict[str, str] = {}
     backends = ["cuda", "triton"] if device.type == "cuda" else ["cpu"]
     for backend in backends:
-        try:
-            fused_adam._check_backend_can_run(backend, device)
-        except (RuntimeError, ValueError) as error:
-            notes[f"ours ({backend})"] = str(error)
+        reason = fused_adam.backend_unavailable_reason(backend, device)
+        if reason is not None:
+            notes[f"ours ({backend})"] = reason
             continue
         contenders[f"ours ({backend})"] = ours(make_shard(sizes, device), backend)
     contenders["torch, separate passes"] = torch_passes(make_shard(sizes, device), fold_scales=False)

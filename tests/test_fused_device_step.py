@@ -210,5 +210,14 @@ def test_bad_fused_adam_values_are_refused_with_the_choices() -> None:
         model = _model()
         with pytest.raises(ValueError, match=r"fused_adam='cuda' needs the masters on a CUDA device.*cpu"):
             ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, Collectives(), ZeroConfig(fused_adam="cuda"))
+        # A forced backend this machine cannot run is refused at set-up, not in a step.
+        previous = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            with pytest.raises(ValueError, match=r"fused_adam='triton' cannot step masters on cpu.*TRITON_INTERPRET"):
+                ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, Collectives(),
+                              ZeroConfig(fused_adam="triton"))  # fmt: skip
+        finally:
+            if previous is not None:
+                os.environ["TRITON_INTERPRET"] = previous
     finally:
         dist.destroy_process_group()

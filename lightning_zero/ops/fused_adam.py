@@ -47,6 +47,7 @@ from lightning_zero.ops._checks import check_tensor
 __all__ = [
     "BACKENDS",
     "FusedAdamFallbackWarning",
+    "backend_unavailable_reason",
     "cuda_adam_available",
     "multi_tensor_adam_step",
     "resolve_backend",
@@ -254,22 +255,42 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return chosen
 
 
-def _check_backend_can_run(backend: str, device: torch.device) -> None:
-    if backend == "cuda":
-        if device.type != "cuda":
-            raise ValueError(f"multi_tensor_adam_step: backend='cuda' needs CUDA tensors, got {device} tensors")
-        if _CUDA_OP.value() is None:
-            raise RuntimeError(f"multi_tensor_adam_step: backend='cuda' is unavailable: {_CUDA_OP.unavailable_reason()}")
-    elif backend in ("host", "cpu") and device.type != "cpu":
-        raise ValueError(f"multi_tensor_adam_step: backend={backend!r} runs on CPU tensors, got {device} tensors")
-    elif backend == "host" and _HOST_OP.value() is None:
-        raise RuntimeError(f"multi_tensor_adam_step: backend='host' is unavailable: {_HOST_OP.unavailable_reason()}")
-    elif backend == "triton":
+def _wrong_device(backend: str, device: torch.device) -> str | None:
+    if backend == "cuda" and device.type != "cuda":
+        return f"backend='cuda' needs CUDA tensors, got {device} tensors"
+    if backend in ("host", "cpu") and device.type != "cpu":
+        return f"backend={backend!r} runs on CPU tensors, got {device} tensors"
+    return None
+
+
+def _missing_here(backend: str, device: torch.device) -> str | None:
+    """Why this machine cannot run ``backend`` (building the op if it needs one), or None."""
+    if backend == "cuda" and _CUDA_OP.value() is None:
+        return f"backend='cuda' is unavailable: {_CUDA_OP.unavailable_reason()}"
+    if backend == "host" and _HOST_OP.value() is None:
+        return f"backend='host' is unavailable: {_HOST_OP.unavailable_reason()}"
+    if backend == "triton":
         from lightning_zero.ops.triton_adam import triton_unavailable_reason
 
         reason = triton_unavailable_reason(device)
         if reason is not None:
-            raise RuntimeError(f"multi_tensor_adam_step: backend='triton' is unavailable: {reason}")
+            return f"backend='triton' is unavailable: {reason}"
+    return None
+
+
+def backend_unavailable_reason(backend: str, device: torch.device) -> str | None:
+    """Why ``backend`` cannot step tensors on ``device`` here (building the op if it needs one),
+    or None when it can."""
+    return _wrong_device(backend, device) or _missing_here(backend, device)
+
+
+def _check_backend_can_run(backend: str, device: torch.device) -> None:
+    wrong = _wrong_device(backend, device)
+    if wrong is not None:
+        raise ValueError(f"multi_tensor_adam_step: {wrong}")
+    missing = _missing_here(backend, device)
+    if missing is not None:
+        raise RuntimeError(f"multi_tensor_adam_step: {missing}")
 
 
 def _check_list(name: str, tensors: Sequence[Any], count: int | None) -> None:

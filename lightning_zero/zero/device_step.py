@@ -61,12 +61,17 @@ def check_device_backend(config: ZeroConfig, device: torch.device) -> None:
         raise ValueError(
             f"ZeroConfig.fused_adam={choice!r} runs on CPU masters, but they are on {device}. Use fused_adam='auto'."
         )
-    if choice == "triton":
-        from lightning_zero.ops.triton_adam import triton_unavailable_reason
+    if choice in ("cuda", "triton", "host"):
+        # Built (or found wanting) now, at set-up, not in the first step: a rank whose step
+        # raised would leave the others waiting in the all-gather after it.
+        from lightning_zero.ops.fused_adam import backend_unavailable_reason
 
-        reason = triton_unavailable_reason(device)
+        reason = backend_unavailable_reason(choice, device)
         if reason is not None:
-            raise ValueError(f"ZeroConfig.fused_adam='triton' cannot step masters on {device}: {reason}.")
+            raise ValueError(
+                f"ZeroConfig.fused_adam={choice!r} cannot step masters on {device}: {reason}. Use fused_adam='auto'"
+                " (the best kernel that runs here) or 'off'."
+            )
 
 
 def device_adam_masters(
