@@ -150,6 +150,8 @@ def _fused_adam_op(
         "adamw_mode": adamw_mode,
     }  # fmt: skip
     lists = (grads, masters, exp_avgs, exp_avg_sqs, low_precision_outs)
+    if backend in ("cuda", "host") and masters:
+        _check_backend_can_run(backend, masters[0].device)  # builds the op for a direct call
     if backend == "cuda":
         device = masters[0].device
         with torch.cuda.device(device):
