@@ -12,11 +12,13 @@
 // continue in the next table).
 //
 // Blocks per launch matter more than tensors: the launches of one stream run one after another,
-// and the last wave of each leaves SMs idle. At 64 registers a thread, 2 blocks of 512 threads
-// fit an SM, so an H100/H200 (132 SMs) runs 264 at once; 320 blocks a launch (ATen's choice)
-// would be 1.2 waves, 640 are 2.4. So the chunk index is 16 bits (3 bytes a block with the
+// and the last wave of each leaves SMs idle. ptxas gives the kernel 40 registers a thread for
+// sm_90 (64 for sm_75), so 3 blocks of 512 threads fit an SM and an H100/H200 (132 SMs) runs
+// 396 at once: 320 blocks a launch (ATen's choice) would leave a fifth of the SMs idle for the
+// whole launch, 640 are 1.6 waves. So the chunk index is 16 bits (3 bytes a block with the
 // tensor index), and the host splits a tensor of more than 65535 chunks (4.3e9 elements) into
-// parts the table can index (for_each_part).
+// parts the table can index (for_each_part). Measured on a GPU, not here: see
+// benchmarks/fused_adam.py.
 //
 // Everything but the __global__ wrapper is plain C++ marked LZ_HOST_DEVICE: the planner
 // (for_each_table) is host code, and the block body a kernel runs can be called on the host
