@@ -21,7 +21,8 @@ is known about ZeRO's trade-offs:
    the slower layouts after it are not tried.
 4. At the best configuration, each remaining knob (the next smaller micro-batch while it is
    faster; bucket size at stages 1/2; prefetch and unit size at stage 3) is tried one value at a
-   time, keeping what is faster.
+   time, keeping what is faster. These knob values are measured, not skipped on the estimate:
+   the best point sits near the budget, where the estimate's margin would decide.
 
 A configuration fits when its trial ran on every rank without running out of memory and the
 largest rank's measured peak is within the budget.
