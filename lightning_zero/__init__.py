@@ -10,6 +10,7 @@ from lightning_zero.autotuning import SearchSpace, TuningError
 from lightning_zero.callbacks import ZeroAutotuner, ZeroMemoryProfiler, ZeroTuner
 from lightning_zero.checkpoint import CheckpointError, consolidate
 from lightning_zero.config import ParallelConfig, PipelineConfig, ZeroConfig
+from lightning_zero.deepspeed_config import DeepSpeedConfigWarning, DeepSpeedSettings, read_deepspeed_config
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
 from lightning_zero.precision import ZeroPrecision
@@ -39,6 +40,8 @@ __all__ = [
     "CPUOffloadPolicy",
     "Collectives",
     "CountingCollectives",
+    "DeepSpeedConfigWarning",
+    "DeepSpeedSettings",
     "LossScaleAtMinimumError",
     "LossScaleConfig",
     "LossScaler",
@@ -60,4 +63,5 @@ __all__ = [
     "consolidate",
     "estimate_memory",
     "model_state_bytes",
+    "read_deepspeed_config",
 ]

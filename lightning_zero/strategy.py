@@ -37,7 +37,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -71,6 +71,12 @@ from lightning_zero.checkpoint.state import (
     sharded_state,
 )
 from lightning_zero.config import ZeroConfig
+from lightning_zero.deepspeed_config import (
+    DeepSpeedConfigWarning,
+    DeepSpeedSettings,
+    DeepSpeedSource,
+    read_deepspeed_config,
+)
 from lightning_zero.parallel.mesh import (
     ParallelDims,
     ParallelGroups,
@@ -122,6 +128,11 @@ class ZeroStrategy(ParallelStrategy):
             parallel with torch.distributed.checkpoint, loadable at any world size and stage, and
             exported to one file with ``lightning-zero consolidate``. ``"full"``: one file written by
             rank 0 after gathering the weights and optimizer state (only for models that fit in its RAM).
+        deepspeed_config: a DeepSpeed JSON config (its path, or the dict) instead of ``stage``/``config``:
+            ``zero_optimization`` becomes the ZeroConfig, ``fp16``/``bf16`` the precision, and its
+            clipping, accumulation and batch sizes are checked against the Trainer's and the DataLoader's
+            (see [Note: DeepSpeed config import] in lightning_zero/deepspeed_config.py). Also
+            :meth:`from_deepspeed`.
     """
 
     strategy_name = "zero"
@@ -140,6 +151,7 @@ class ZeroStrategy(ParallelStrategy):
         start_method: StartMethod = "popen",
         collectives: Collectives | CountingCollectives | None = None,
         state_dict_type: StateDictType = "sharded",
+        deepspeed_config: dict[str, Any] | str | Path | None = None,  # dict first: jsonargparse tries in order
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -148,6 +160,13 @@ class ZeroStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self._deepspeed: DeepSpeedSettings | None = None
+        if deepspeed_config is not None:
+            self._deepspeed = _read_deepspeed(deepspeed_config, stage, config, precision_plugin)
+            config = self._deepspeed.zero
+            if self._deepspeed.precision is not None:
+                # Preset like a plugin: the Trainer then takes it instead of building one from its flag.
+                self._precision_plugin = ZeroPrecision(self._deepspeed.precision, loss_scale=self._deepspeed.loss_scale)
         self.config = _resolve_config(stage, config)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(
@@ -178,6 +197,17 @@ class ZeroStrategy(ParallelStrategy):
         # The run stopped on an error every rank raised together (a checkpoint that could not be
         # loaded), so teardown's collectives are safe: stage 3 hands the module back whole.
         self._failed_on_every_rank = False
+
+    @classmethod
+    def from_deepspeed(cls, config: DeepSpeedSource, **kwargs: Any) -> ZeroStrategy:
+        """A strategy from a DeepSpeed JSON config (its path, or the dict); ``kwargs`` are the
+        constructor's other arguments (see ``deepspeed_config``)."""
+        return cls(deepspeed_config=config, **kwargs)
+
+    @property
+    def deepspeed_settings(self) -> DeepSpeedSettings | None:
+        """What the ``deepspeed_config`` asked for (None without one)."""
+        return self._deepspeed
 
     # ------------------------------------------------------------------ precision
     @property
@@ -266,6 +296,10 @@ class ZeroStrategy(ParallelStrategy):
         prefix = stage.dataloader_prefix if stage is not None else None
         name = f"{prefix}_dataloader" if prefix else "dataloader"
         limit = getattr(trainer, f"limit_{prefix}_batches", None) if prefix else None
+        if self._deepspeed is not None and prefix == "train" and trainer is not None:
+            self._deepspeed.check_micro_batch_size(getattr(dataloader, "batch_size", None),
+                                                   trainer.accumulate_grad_batches,
+                                                   self.distributed_sampler_kwargs["num_replicas"])
         return agree_on_batches(dataloader, self.collectives, name, limit)
 
     @override
@@ -348,6 +382,8 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if self._deepspeed is not None:  # before any collective: every rank raises alike
+            self._check_deepspeed_against(trainer)
         self._failed_on_every_rank = False
         self._synced_backwards = 0
         assert self.accelerator is not None
@@ -365,6 +401,19 @@ class ZeroStrategy(ParallelStrategy):
             self._skip_scheduler_steps_of_skipped_optimizer_steps()
         self.model = self.precision_plugin.convert_module(self.model)
         self.setup_precision_plugin()
+
+    def _check_deepspeed_against(self, trainer: pl.Trainer) -> None:
+        settings = self._deepspeed
+        assert settings is not None
+        settings.check_trainer(trainer.gradient_clip_val, trainer.gradient_clip_algorithm,
+                               trainer.accumulate_grad_batches)
+        # The Trainer took the config's precision as a plugin; the flag it was given is still there.
+        flag = str(getattr(getattr(trainer, "_accelerator_connector", None), "_precision_flag", "32-true"))
+        if settings.precision is not None and flag not in ("32-true", "32", settings.precision):
+            raise ValueError(
+                f"The DeepSpeed config {settings.source} asks for precision {settings.precision!r} (its"
+                f" {'fp16' if settings.precision == '16-mixed' else 'bf16'} section) but the Trainer has"
+                f" precision={flag!r}. Drop one: remove Trainer(precision=...), or disable the config's section.")
 
     def _setup_engine(self) -> None:
         """Builds the stage's engine over the module: from real weights (rank 0's, like DDP), or, for
@@ -1071,6 +1120,24 @@ class ZeroStrategy(ParallelStrategy):
 
 def _do_nothing(*args: Any) -> None:
     pass
+
+
+def _read_deepspeed(source: DeepSpeedSource, stage: int | None, config: object, precision_plugin: object
+                    ) -> DeepSpeedSettings:
+    given = [name for name, value in (("stage", stage), ("config", config)) if value is not None]
+    if given:
+        raise ValueError(
+            f"ZeroStrategy(deepspeed_config=..., {'=..., '.join(given)}=...): the DeepSpeed config already says how"
+            " ZeRO runs. Give one of them.")
+    settings = read_deepspeed_config(source)
+    if settings.precision is not None and precision_plugin is not None:
+        raise ValueError(
+            f"ZeroStrategy(deepspeed_config=..., precision_plugin=...): the DeepSpeed config {settings.source} sets the"
+            f" precision ({settings.precision!r}). Drop precision_plugin, or disable the config's fp16/bf16 section.")
+    message = settings.ignored_keys_message()
+    if message is not None:
+        rank_zero_warn(message, category=DeepSpeedConfigWarning)
+    return settings
 
 
 def _resolve_config(stage: int | None, config: ZeroConfig | Mapping[str, Any] | None) -> ZeroConfig:
