@@ -1,9 +1,12 @@
 """lightning_zero: ZeRO data parallelism as a native PyTorch Lightning strategy.
 
-Importing the package registers the strategy names ``zero1`` and ``zero2`` (and ``*_spawn``
-variants) with Lightning, so ``Trainer(strategy="zero2")`` works. Importing never builds anything.
+Importing the package registers the strategy names ``zero1``, ``zero2``, ``zero3``,
+``zero2_offload`` and ``zero3_offload`` (and ``*_spawn`` variants) with Lightning's Trainer and
+Fabric, so ``Trainer(strategy="zero2")`` and ``Fabric(strategy="zero3_offload")`` work. Importing
+never builds anything.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.autotuning import SearchSpace, TuningError
@@ -15,6 +18,7 @@ from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.profiling import MemoryBreakdown, MemoryEstimate, estimate_memory
+from lightning_zero.fabric import ZeroFabricPrecision, ZeroFabricStrategy
 from lightning_zero.strategy import ZeroStrategy
 from lightning_zero.zero.consistency import RanksDisagreeError
 from lightning_zero.zero import (
@@ -31,6 +35,8 @@ __version__ = "0.1.0"
 def _register_strategies() -> None:
     if "zero2" not in StrategyRegistry:
         ZeroStrategy.register_strategies(StrategyRegistry)
+    if "zero2" not in FABRIC_STRATEGY_REGISTRY:
+        ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 
 _register_strategies()
@@ -55,6 +61,8 @@ __all__ = [
     "TuningError",
     "ZeroAutotuner",
     "ZeroConfig",
+    "ZeroFabricPrecision",
+    "ZeroFabricStrategy",
     "ZeroMemoryProfiler",
     "ZeroOptimizer",
     "ZeroPrecision",

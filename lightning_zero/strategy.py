@@ -91,7 +91,7 @@ from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import Collectives, CountingCollectives
-from lightning_zero.zero.consistency import Point, RanksDisagreeError, agree_at, agree_on_batches, check_same_model
+from lightning_zero.zero.consistency import agree_before_step, agree_on_batches, check_same_model
 from lightning_zero.zero.engine import ZeroEngine, make_engine
 from lightning_zero.zero.layout import ParamPiece
 from lightning_zero.zero.optimizer import ShardedOptimizer
@@ -621,19 +621,8 @@ class ZeroStrategy(ParallelStrategy):
             # Before waiting for reductions other ranks might not have launched: a rank that ran
             # another number of backwards (manual optimization) meets the others here or at one of
             # their gathers, and every rank raises (see [Note: ranks that disagree]).
-            engine = self._require_engine()
-            rows = agree_at(self.collectives, Point.SYNC, [self._synced_backwards, int(engine.has_leftover_grads())])
-            counts = [row[0] for row in rows]
-            self._synced_backwards = 0
-            if any(row[1] for row in rows):
-                engine.expect_leftover_grads()  # every rank sends the extra round some rank needs
-            if len(set(counts)) > 1:
-                raise RanksDisagreeError(
-                    f"The ranks ran different numbers of backward calls before this optimizer step (by rank: {counts});"
-                    " each backward's gradient reductions are collectives every rank must join. Call"
-                    " manual_backward the same number of times on every rank (a rank without a loss can backward"
-                    " a zero loss, e.g. (0 * output).sum())."
-                )
+            backwards, self._synced_backwards = self._synced_backwards, 0
+            agree_before_step(self.collectives, self._require_engine(), backwards)
             zero_optimizer.finish_grad_sync()
             return result
 

@@ -13,21 +13,25 @@ import torch
 from lightning_zero.checkpoint.sharded import CheckpointError
 
 
-def load_full_checkpoint(path: Path) -> dict[str, Any]:
-    """A Lightning checkpoint dict from a file: ``.safetensors`` gives ``{"state_dict": ...}``;
+def load_full_checkpoint(path: Path, model_key: str = "state_dict") -> dict[str, Any]:
+    """A Lightning checkpoint dict from a file: ``.safetensors`` gives ``{model_key: ...}``;
     anything else is read with ``torch.load`` (memory-mapped, so the weights are paged in as
-    they are copied rather than read whole)."""
+    they are copied rather than read whole) and must hold the module's state under ``model_key``
+    (Fabric's checkpoints name it as the user did)."""
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory but not a checkpoint (no .metadata file).")
     if path.suffix == ".safetensors":
         from lightning_zero.checkpoint.serialization import load_safetensors
 
-        return {"state_dict": load_safetensors(path)}
+        try:
+            return {model_key: load_safetensors(path)}
+        except ValueError as error:  # the message names the file and what is wrong with it
+            raise CheckpointError(f"{error}. Use an earlier checkpoint, or copy the file again.") from error
     checkpoint = _torch_load(path)
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+    if not isinstance(checkpoint, dict) or model_key not in checkpoint:
         found = sorted(map(str, checkpoint))[:10] if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise CheckpointError(
-            f"{path} is a torch file but not a Lightning checkpoint: it has no 'state_dict' (found {found}). A bare"
+            f"{path} is a torch file but not a Lightning checkpoint: it has no {model_key!r} (found {found}). A bare"
             " state dict of the module loads with LightningModule.load_state_dict before fitting; a checkpoint comes"
             " from trainer.save_checkpoint, ModelCheckpoint or `lightning-zero consolidate`."
         )

@@ -78,6 +78,24 @@ def _describe(row: Sequence[int]) -> str:
     return f"is at an unknown point {row[0]}"
 
 
+def agree_before_step(collectives: AnyCollectives, engine: Any, backwards: int) -> None:
+    """Before an optimizer step waits for reductions other ranks might not have launched: a rank
+    that ran another number of synchronized backwards (manual optimization, a Fabric loop) meets
+    the others here or at one of their gathers, and every rank raises. A rank whose gradients
+    arrived after their backward's reduction went out makes every rank send the extra round."""
+    rows = agree_at(collectives, Point.SYNC, [backwards, int(engine.has_leftover_grads())])
+    if any(row[1] for row in rows):
+        engine.expect_leftover_grads()
+    counts = [row[0] for row in rows]
+    if len(set(counts)) > 1:
+        raise RanksDisagreeError(
+            f"The ranks ran different numbers of backward calls before this optimizer step (by rank: {counts});"
+            " each backward's gradient reductions are collectives every rank must join. Call backward the same"
+            " number of times on every rank (a rank without a loss can backward a zero loss, e.g."
+            " (0 * output).sum())."
+        )
+
+
 def model_fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
     """(name, shape, dtype, requires_grad) of every parameter, in registration order."""
     return [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)

@@ -1,0 +1,250 @@
+"""ZeRO under Lightning Fabric (lightning_zero/fabric.py, [Note: the engine under Fabric]): a
+litgpt-style loop (accumulation with no_backward_sync, clipping, an LR scheduler) against Fabric's
+DDP on 2 gloo ranks, sharded save/load across stages and with the Trainer's format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run_on_ranks
+
+WORLD = 2
+STEPS = 4
+ACCUMULATE = 2
+
+
+def _fabric(strategy: Any, precision: str = "32-true") -> Any:
+    import importlib
+
+    from lightning.fabric import Fabric
+
+    importlib.import_module("lightning_zero")  # registers the strategy names with Fabric
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=WORLD, precision=precision)
+    fabric.launch()  # the ranks exist already (torchrun's environment): nothing is started
+    return fabric
+
+
+def _setup(fabric: Any, seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    from models import TinyGPT
+
+    torch.manual_seed(seed)
+    module = TinyGPT()
+    optimizer = module.configure_optimizers()  # AdamW, two param groups
+    model, optimizer = fabric.setup(module, optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return module, model, optimizer, scheduler
+
+
+def _train(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps: int, start: int = 0) -> list[float]:
+    """litgpt's loop: micro-batches with no_backward_sync, then clip, step, zero_grad."""
+    from models import token_data
+
+    data = token_data(256)
+    losses = []
+    for step in range(start, start + steps):
+        for micro in range(ACCUMULATE):
+            index = (step * ACCUMULATE + micro) * WORLD + fabric.global_rank
+            tokens, targets = data[index * 4:(index + 1) * 4]
+            with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
+                loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+                fabric.backward(loss / ACCUMULATE)
+            losses.append(loss.item())
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return losses
+
+
+def _whole(fabric: Any, module: nn.Module) -> dict[str, torch.Tensor]:
+    gathered = getattr(fabric.strategy, "gathered_params", None)
+    context = gathered(writeback=False) if gathered is not None else torch.no_grad()
+    with context:
+        return {name: p.detach().float().clone() for name, p in module.named_parameters()}
+
+
+def _cases(tmp: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from lightning_zero import ZeroStrategy, consolidate
+    from lightning_zero.zero.consistency import RanksDisagreeError
+    from models import TinyGPT, fit
+
+    out: dict[str, Any] = {}
+    for name in ("ddp", "zero1", "zero2", "zero3", "zero3_offload"):
+        fabric = _fabric(name)
+        module, model, optimizer, scheduler = _setup(fabric)
+        out[f"{name} losses"] = _train(fabric, model, optimizer, scheduler, STEPS)
+        out[name] = _whole(fabric, module)
+        if name == "zero3":
+            out["zero3 piece shape"] = tuple(module.head.weight.shape)
+
+    # fabric.save at stage 3 mid-run, fabric.load into stage 2: the run goes on as if uninterrupted
+    fabric = _fabric("zero3")
+    module, model, optimizer, scheduler = _setup(fabric)
+    _train(fabric, model, optimizer, scheduler, 2)
+    path = Path(fabric.broadcast(tmp)) / "fabric_zero3"
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2}
+    fabric.save(path, state)
+    out["saved"] = _whole(fabric, module)
+    _train(fabric, model, optimizer, scheduler, 2, start=2)
+    out["uninterrupted"] = _whole(fabric, module)
+    fabric = _fabric("zero2")
+    module, model, optimizer, scheduler = _setup(fabric, seed=1)
+    resumed = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    remainder = fabric.load(path, resumed)
+    out["loaded step"], out["remainder"] = resumed["step"], sorted(remainder)
+    out["loaded scheduler"] = scheduler.state_dict()["last_epoch"]
+    out["loaded"] = _whole(fabric, module)
+    _train(fabric, model, optimizer, scheduler, 2, start=2)
+    out["resumed"] = _whole(fabric, module)
+    try:
+        fabric.load(path)
+        out["load without state"] = None
+    except ValueError as error:
+        out["load without state"] = str(error)
+    fabric.barrier()
+    if fabric.global_rank == 0:  # the same format as the Trainer's: consolidate reads it
+        consolidate(path, Path(tmp) / "fabric.pt", weights_only=True, progress=False)
+        out["consolidated"] = torch.load(Path(tmp) / "fabric.pt", weights_only=True)["state_dict"]
+    fabric.barrier()
+
+    # a whole checkpoint of Fabric's DDP loads into ZeRO
+    fabric = _fabric("ddp")
+    module, model, optimizer, scheduler = _setup(fabric, seed=2)
+    _train(fabric, model, optimizer, scheduler, 1)
+    ddp_path = Path(tmp) / "ddp.ckpt"
+    fabric.save(ddp_path, {"model": model, "optimizer": optimizer})
+    out["ddp saved"] = _whole(fabric, module)
+    fabric = _fabric("zero3")
+    module, model, optimizer, scheduler = _setup(fabric, seed=3)
+    fabric.load(ddp_path, {"model": model, "optimizer": optimizer})
+    out["ddp loaded"] = _whole(fabric, module)
+
+    # a checkpoint the Trainer wrote loads into Fabric
+    pl.seed_everything(4)
+    trained = TinyGPT()
+    trainer = fit(trained, ZeroStrategy(stage=2), WORLD, steps=2)
+    trainer_path = Path(tmp) / "trainer.ckpt"
+    trainer.save_checkpoint(trainer_path)
+    out["trainer saved"] = {name: p.detach().clone() for name, p in trained.named_parameters()}
+    fabric = _fabric("zero3")
+    module, model, optimizer, scheduler = _setup(fabric, seed=5)
+    remainder = fabric.load(trainer_path, {"model": model, "optimizer": optimizer})
+    out["trainer loaded"] = _whole(fabric, module)
+    out["trainer remainder"] = sorted(remainder)
+
+    # bf16-mixed: bf16 parameters over fp32 masters, training as fp32 does (to bf16's precision)
+    fabric = _fabric("zero2", precision="bf16-mixed")
+    module, model, optimizer, scheduler = _setup(fabric)
+    out["bf16 dtype"] = module.head.weight.dtype
+    out["bf16 losses"] = _train(fabric, model, optimizer, scheduler, STEPS)
+    out["bf16"] = _whole(fabric, module)
+    out["bf16 state dtypes"] = sorted({str(v.dtype) for state in optimizer.optimizer.optimizer.state.values()
+                                       for k, v in state.items() if k.startswith("exp_avg")})
+
+    # fabric.init_module(empty_init=True) at stage 3: built on the meta device, never whole
+    fabric = _fabric("zero3")
+    with fabric.init_module(empty_init=True):
+        meta = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+    try:
+        fabric.setup(meta, torch.optim.AdamW(meta.parameters()))
+        out["meta joint"] = None
+    except ValueError as error:
+        out["meta joint"] = str(error)
+    meta_model = fabric.setup_module(meta)
+    meta_optimizer = fabric.setup_optimizers(torch.optim.AdamW(meta_model.parameters(), lr=1e-2))
+    tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(fabric.global_rank))
+    meta_losses = []
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(meta_model(tokens).flatten(0, 1), tokens.flatten())
+        fabric.backward(loss)
+        meta_optimizer.step()
+        meta_optimizer.zero_grad()
+        meta_losses.append(loss.item())
+    out["meta losses"] = meta_losses
+    out["meta numel"] = sum(p.numel() for p in meta.parameters())
+
+    # a rank with an extra backward: every rank raises at the step instead of hanging
+    fabric = _fabric("zero2")
+    module, model, optimizer, scheduler = _setup(fabric)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    for _ in range(1 + fabric.global_rank):
+        fabric.backward(model(tokens).sum())
+    try:
+        optimizer.step()
+        out["disagree"] = None
+    except RanksDisagreeError as error:
+        out["disagree"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_on_ranks(_cases, WORLD, str(tmp_path_factory.mktemp("fabric")))
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3_offload"])
+def test_fabric_loop_matches_fabric_ddp(runs: list[dict[str, Any]], name: str) -> None:
+    for out in runs:
+        assert out[f"{name} losses"] == pytest.approx(out["ddp losses"], rel=1e-5, abs=1e-5)
+        for key, value in out["ddp"].items():
+            torch.testing.assert_close(out[name][key], value, rtol=1e-5, atol=1e-5, msg=f"{name} {key}")
+    assert runs[0]["zero3 piece shape"] != (32, 32)  # stage 3 really sharded the parameters
+
+
+def test_fabric_save_and_load_across_stages(runs: list[dict[str, Any]]) -> None:
+    for out in runs:
+        for key, value in out["saved"].items():
+            torch.testing.assert_close(out["loaded"][key], value, rtol=0, atol=0, msg=key)
+            torch.testing.assert_close(out["resumed"][key], out["uninterrupted"][key], rtol=1e-5, atol=1e-5, msg=key)
+        assert out["loaded step"] == 2 and out["loaded scheduler"] == 2
+        assert out["remainder"] == []
+        assert "pass them, e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})" in out["load without state"]
+    for key, value in runs[0]["saved"].items():
+        torch.testing.assert_close(runs[0]["consolidated"][key], value, rtol=0, atol=0, msg=key)
+
+
+def test_fabric_loads_ddp_and_trainer_checkpoints(runs: list[dict[str, Any]]) -> None:
+    for out in runs:
+        for key, value in out["ddp saved"].items():
+            torch.testing.assert_close(out["ddp loaded"][key], value, rtol=0, atol=0, msg=key)
+        for key, value in out["trainer saved"].items():
+            torch.testing.assert_close(out["trainer loaded"][key], value, rtol=0, atol=0, msg=key)
+        assert "global_step" in out["trainer remainder"]  # the Trainer's loop state is handed back
+
+
+def test_fabric_bf16_mixed_trains_bf16_parameters(runs: list[dict[str, Any]]) -> None:
+    for out in runs:
+        assert out["bf16 dtype"] == torch.bfloat16
+        assert out["bf16 losses"] == pytest.approx(out["zero2 losses"], abs=0.05)
+        assert out["bf16 state dtypes"] == ["torch.float32"]  # Adam steps fp32 masters
+        for key, value in out["zero2"].items():  # Adam's updates of lr=1e-2 are sign-like: 4 steps differ < 0.1
+            assert (out["bf16"][key] - value).abs().max() < 0.1, key
+
+
+def test_fabric_builds_a_stage3_model_on_the_meta_device(runs: list[dict[str, Any]]) -> None:
+    whole = 32 * 16 + 16 * 32 + 32
+    for out in runs:
+        assert "Set the model up first, then build the optimizer" in out["meta joint"]
+        assert out["meta numel"] < whole  # this rank's pieces only
+        assert out["meta losses"][-1] < out["meta losses"][0]  # the same batch three times
+    assert sum(out["meta numel"] for out in runs) >= whole
+
+
+def test_fabric_ranks_that_disagree_raise_on_every_rank(runs: list[dict[str, Any]]) -> None:
+    for out in runs:
+        assert out["disagree"] is not None and "different numbers of backward calls" in out["disagree"]
+        assert "by rank: [1, 2]" in out["disagree"]
+
+
+def test_fabric_refuses_a_mesh_with_the_fix() -> None:
+    from lightning_zero import ParallelConfig, ZeroConfig, ZeroFabricStrategy
+
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism need the Trainer"):
+        ZeroFabricStrategy(config=ZeroConfig(parallel=ParallelConfig(tensor=2)))
