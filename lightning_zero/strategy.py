@@ -112,7 +112,7 @@ StateDictType = Literal["sharded", "full"]
 
 
 class ZeroStrategy(ParallelStrategy):
-    """ZeRO stage 1 or 2 data parallelism.
+    """ZeRO stage 1, 2 or 3 data parallelism for the Trainer (Fabric: :class:`~lightning_zero.ZeroFabricStrategy`).
 
     Args:
         stage: shorthand for ``config=ZeroConfig(stage=stage)``; may be given with ``config`` only if

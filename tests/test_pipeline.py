@@ -434,7 +434,9 @@ def _idle_fractions(schedule: str, stages_per_rank: int, microbatches: int, step
     for _ in range(steps):
         runner.train_step(batch, batch.shape[0], lambda out, i: out.square().mean())
         fractions.append(runner.timing.idle_fraction)
-    return min(fractions[1:])  # the least disturbed steady-state step
+    # The least disturbed steady-state step: on 2 shared cores one step in a few loses its core to
+    # another process, and the idle it measures is then the wait for the descheduled rank.
+    return min(fractions[1:])
 
 
 class NoIndexNet(PipeNet):
@@ -528,8 +530,8 @@ def _two_rank_cases(tmp: str) -> dict[str, Any]:
         predicted = trainer.predict(module, evaluation)
     out["evaluated"] = {"test_loss": tested[0]["test_loss"], "predicted": predicted}
     out["gpipe"] = _run(ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=2, schedule="gpipe")))
-    out["idle_1f1b"] = _idle_fractions("1f1b", 1, 4, steps=3)
-    out["idle_zbv"] = _idle_fractions("zbv_zero_bubble", 2, 4, steps=3)
+    out["idle_1f1b"] = _idle_fractions("1f1b", 1, 4, steps=6)
+    out["idle_zbv"] = _idle_fractions("zbv_zero_bubble", 2, 4, steps=6)
     # A batch no micro-batch count fits (1f1b needs 2 or more at pp2; 7 samples split only as 1 or 7)
     # fails on both ranks alike, before any stage runs.
     module = new_model()
