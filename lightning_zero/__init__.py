@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.autotuning import SearchSpace, TuningError
 from lightning_zero.callbacks import ZeroAutotuner, ZeroMemoryProfiler, ZeroTuner
-from lightning_zero.checkpoint import CheckpointError, consolidate
+from lightning_zero.checkpoint import CheckpointError, consolidate, consolidate_hf
 from lightning_zero.config import ParallelConfig, PipelineConfig, ZeroConfig
 from lightning_zero.deepspeed_config import DeepSpeedConfigWarning, DeepSpeedSettings, read_deepspeed_config
 from lightning_zero.offload import CPUOffloadPolicy
@@ -69,6 +69,7 @@ __all__ = [
     "ZeroStrategy",
     "ZeroTuner",
     "consolidate",
+    "consolidate_hf",
     "estimate_memory",
     "model_state_bytes",
     "read_deepspeed_config",

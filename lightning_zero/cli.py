@@ -6,13 +6,15 @@ import argparse
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from lightning_zero.checkpoint.consolidate import DTYPES, consolidate
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero.autotuning.space import OFFLOADS, SearchSpace, parse_bytes
 from lightning_zero.checkpoint.checksums import CheckpointError, reason
+from lightning_zero.checkpoint.consolidate import DTYPES, consolidate
+from lightning_zero.checkpoint.hf import DEFAULT_MAX_SHARD_SIZE, consolidate_hf, exported_files
 from lightning_zero.config import ZeroConfig
 
 
@@ -21,19 +23,36 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser(
         "consolidate",
-        help="write a sharded checkpoint as one file (.pt or .safetensors), streamed shard by shard",
+        help="write a sharded checkpoint as one file (.pt or .safetensors) or as a Hugging Face model directory,"
+             " streamed shard by shard",
         description="Writes a sharded checkpoint directory as one file, reading and writing one tensor at a time"
         " (memory stays about the largest tensor). OUT ending in .safetensors gets the weights only; any other"
         " name a Lightning checkpoint that torch.load, LightningModule.load_from_checkpoint and"
-        " trainer.fit(ckpt_path=...) read. Needs no GPU.",
+        " trainer.fit(ckpt_path=...) read. With --format hf, OUT is a Hugging Face model directory instead:"
+        " model-00001-of-0000n.safetensors files and model.safetensors.index.json (or one model.safetensors),"
+        " which transformers' from_pretrained(OUT) loads once OUT has a config.json (--hf-config, or"
+        " model.config.save_pretrained(OUT)); memory stays about one shard. Needs no GPU.",
     )
     export.add_argument("checkpoint", help="the sharded checkpoint directory")
-    export.add_argument("output", help="the file to write (.pt, .ckpt or .safetensors)")
+    export.add_argument("output", help="the file to write (.pt, .ckpt or .safetensors), or with --format hf the directory")
     export.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="dtype of every floating-point tensor of the module's state (float64 tensors and optimizer state"
                              " are kept as saved)")
     export.add_argument("--weights-only", action="store_true", help="leave out optimizer state, schedulers and loops")
     export.add_argument("--no-progress", action="store_true", help="no progress bar")
+    export.add_argument("--format", choices=["file", "hf"], default="file",
+                        help="file: one file, its format chosen by OUT's suffix (default); hf: a Hugging Face model"
+                             " directory (weights only)")
+    hf = export.add_argument_group("--format hf")
+    hf.add_argument("--max-shard-size", help=f"the largest shard, e.g. 500MB, 2GiB or a number of bytes (default"
+                                             f" {DEFAULT_MAX_SHARD_SIZE}; GB = 10^9 bytes, GiB = 2^30)")
+    hf.add_argument("--strip-prefix", metavar="PREFIX",
+                    help="remove this key prefix, e.g. model. for a LightningModule holding the Hugging Face model as"
+                         " self.model (keys outside it are left out); '' keeps the keys as saved. Default: for a"
+                         " checkpoint a Trainer wrote, the attribute every key is under, if there is one")
+    hf.add_argument("--hf-config", metavar="PATH_OR_DIR", help="a config.json, or a directory holding one, to copy into OUT")
+    hf.add_argument("--overwrite", action="store_true",
+                    help="write into a non-empty OUT: its model*.safetensors files are replaced, other files kept")
     estimate = commands.add_parser(
         "estimate",
         help="print one rank's memory per ZeRO stage and world size, as a table",
@@ -222,6 +241,26 @@ def _estimate(args: argparse.Namespace) -> None:
         console.print(f"note: {note}")
 
 
+def _consolidate(args: argparse.Namespace) -> Path:
+    """`consolidate`: one file, or with --format hf a Hugging Face model directory."""
+    hf_options = {"--max-shard-size": args.max_shard_size, "--strip-prefix": args.strip_prefix,
+                  "--hf-config": args.hf_config, "--overwrite": args.overwrite or None}
+    if args.format != "hf":
+        given = [name for name, value in hf_options.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to --format hf; add --format hf to write a Hugging Face"
+                             " model directory.")
+        return consolidate(args.checkpoint, args.output, dtype=args.dtype, weights_only=args.weights_only,
+                           progress=not args.no_progress)
+    if Path(args.output).suffix in (".pt", ".ckpt", ".safetensors"):
+        raise ValueError(f"--format hf writes a directory, but OUT={args.output!r} names a file; pass a directory"
+                         " (e.g. the model's name), or drop --format hf for one file.")
+    # Parsed here so that an error names the flag the user typed, not the function's argument.
+    shard_size = parse_bytes(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, "--max-shard-size")
+    return consolidate_hf(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=shard_size,
+                          strip_prefix=args.strip_prefix, hf_config=args.hf_config, overwrite=args.overwrite,
+                          progress=not args.no_progress)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -241,8 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "consolidate":
         warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
         try:
-            path = consolidate(args.checkpoint, args.output, dtype=args.dtype, weights_only=args.weights_only,
-                               progress=not args.no_progress)
+            path = _consolidate(args)
         except (CheckpointError, ValueError, OSError) as error:
             print(f"lightning-zero consolidate: error: {error}", file=sys.stderr)
             return 2
@@ -250,7 +288,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             inner = ", ".join(reason(exc) for exc, _ in error.failures.values())
             print(f"lightning-zero consolidate: error: {args.checkpoint} cannot be read ({inner}).", file=sys.stderr)
             return 2
-        print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+        if path.is_dir():
+            files = exported_files(path)
+            size = sum(file.stat().st_size for file in files)
+            print(f"wrote {path} ({len(files)} safetensors file(s), {size / 2**20:.1f} MiB)")
+        else:
+            print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
 
 

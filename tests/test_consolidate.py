@@ -112,8 +112,9 @@ def _engine_round_trip(directory: str) -> dict[str, Any]:
 
 
 _MEMORY_SCRIPT = r"""
-import json, os, resource, sys, torch
+import json, os, resource, shutil, sys, torch
 from lightning_zero import consolidate
+from lightning_zero.checkpoint import consolidate_hf
 
 def reset_peak():
     try:
@@ -137,12 +138,19 @@ def current():
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 source, small, out = sys.argv[1], sys.argv[2], sys.argv[3]
-consolidate(small, out + ".warmup" + os.path.splitext(out)[1], progress=False)  # code paths, imports
-os.remove(out + ".warmup" + os.path.splitext(out)[1])
+if out.endswith("-hf"):  # a Hugging Face directory of 8 MiB shards (two of the 4 MiB weights each)
+    export = lambda src, dst: consolidate_hf(src, dst, max_shard_size="8MiB", progress=False)
+    size = lambda path: sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+else:
+    export = lambda src, dst: consolidate(src, dst, progress=False)
+    size = os.path.getsize
+warmup = out + ".warmup" + os.path.splitext(out)[1]
+export(small, warmup)  # code paths, imports
+shutil.rmtree(warmup) if os.path.isdir(warmup) else os.remove(warmup)
 reset = reset_peak()
 before = current()
-consolidate(source, out, progress=False)
-print(json.dumps({"before": before, "peak": peak(), "reset": reset, "size": os.path.getsize(out)}))
+export(source, out)
+print(json.dumps({"before": before, "peak": peak(), "reset": reset, "size": size(out)}))
 """
 
 
@@ -174,8 +182,10 @@ def test_buffers_that_differ_between_ranks_are_saved_from_rank_0(exported: Any) 
     assert all(_same(consolidated[k], v) for k, v in rank0["saved_params"].items())
 
 
-@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", "-hf"])
 def test_export_memory_is_bounded_by_the_largest_tensor_not_the_model(exported: Any, suffix: str) -> None:
+    """One file: about the largest tensor. A Hugging Face directory (-hf): about one 8 MiB shard,
+    which safetensors.torch.save_file holds twice (the tensors and a byte copy of each)."""
     directory = exported["directory"]
     out = directory / f"big{suffix}"
     result = subprocess.run(
@@ -188,9 +198,11 @@ def test_export_memory_is_bounded_by_the_largest_tensor_not_the_model(exported: 
     largest = WIDTH * WIDTH * 4
     model_bytes = LAYERS * largest
     growth = numbers["peak"] - numbers["before"]
-    bound = 4 * largest + 32 * mib
+    shard = 2 * (8 * mib) if suffix == "-hf" else 0
+    bound = 4 * largest + shard + 32 * mib
     report = (f"{suffix}: peak {numbers['peak'] / mib:.1f} MiB over {numbers['before'] / mib:.1f} MiB resident before"
-              f" (+{growth / mib:.1f} MiB; bound {bound / mib:.0f} MiB = 4 x largest tensor + 32 MiB) writing"
+              f" (+{growth / mib:.1f} MiB; bound {bound / mib:.0f} MiB = 4 x largest tensor{' + 2 x shard' if shard else ''}"
+              " + 32 MiB) writing"
               f" {numbers['size'] / mib:.0f} MiB; weights alone {model_bytes / mib:.0f} MiB; peak reset: {numbers['reset']}")
     print(report)
     assert numbers["size"] >= model_bytes, report
@@ -200,10 +212,17 @@ def test_export_memory_is_bounded_by_the_largest_tensor_not_the_model(exported: 
         state = torch.load(out, mmap=True, weights_only=True)
         assert len(state["optimizer_states"][0]["state"]) == LAYERS
         weights = state["state_dict"]
-    else:
+    elif suffix == ".safetensors":
         from safetensors.torch import load_file
 
         weights = load_file(out)
+    else:
+        from safetensors.torch import load_file
+
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) == LAYERS // 2 and index["metadata"]["total_size"] == model_bytes
+        weights = {key: value for name in files for key, value in load_file(out / name).items()}
     reference = _big_model()
     assert set(weights) == {f"{i}.weight" for i in range(LAYERS)}
     # one Adam step of lr 1e-3 moves every weight by about 1e-3

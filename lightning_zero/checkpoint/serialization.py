@@ -13,8 +13,12 @@ Two formats:
 * :func:`save_torch_streamed` writes a file that plain ``torch.load`` reads (also with
   ``mmap=True`` and ``weights_only=True``). The caller passes the checkpoint ``structure`` with
   :class:`TensorRef` placeholders where tensors go, and an iterable yielding ``(key, tensor)``.
-* :func:`save_safetensors_streamed` / :func:`load_safetensors` / :func:`read_safetensors_header`
-  write and read the safetensors format without depending on the ``safetensors`` package.
+* :func:`save_safetensors_streamed` writes one safetensors file, streamed: the header (names,
+  dtypes, shapes and offsets) is known up front, so each tensor's bytes go to their offset as
+  they arrive. ``safetensors.torch.save_file`` cannot do that (it takes every tensor at once and
+  copies each to bytes), which is why this writer stays; :func:`load_safetensors` and
+  :func:`read_safetensors_header` read through ``safetensors.safe_open`` (memory-mapped), with
+  errors that name the file and say what is wrong with it.
 
 Both writers are atomic: they write a temporary file in the destination directory and
 ``os.replace`` it onto ``path`` only once every tensor was written and checked, so a crash or a
@@ -53,7 +57,6 @@ import functools
 import io
 import json
 import math
-import mmap
 import os
 import pickle
 import secrets
@@ -79,10 +82,6 @@ TensorSpec = tuple[torch.dtype, tuple[int, ...]]
 
 # torch.save's pickle protocol (torch.serialization.DEFAULT_PROTOCOL); older readers expect 2.
 _PICKLE_PROTOCOL = 2
-
-# The safetensors reference reader refuses headers above this size; so do we, so that a random
-# file whose first 8 bytes happen to decode to a huge length fails fast instead of allocating.
-_MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 
 # Hand freed heap memory back to the OS after this many streamed bytes (see _FreedMemory).
 _RELEASE_FREED_EVERY_BYTES = 16 << 20
@@ -119,6 +118,7 @@ def _safetensors_dtype_names() -> dict[torch.dtype, str]:
         "float8_e5m2": "F8_E5M2",
         "float8_e4m3fnuz": "F8_E4M3FNUZ",
         "float8_e5m2fnuz": "F8_E5M2FNUZ",
+        "float8_e8m0fnu": "F8_E8M0",
     }
     return {getattr(torch, attr): code for attr, code in names.items() if hasattr(torch, attr)}
 
@@ -736,124 +736,53 @@ def save_safetensors_streamed(
         validator.finish()
 
 
-@dataclass(frozen=True)
-class _SafetensorsHeader:
-    specs: dict[str, TensorSpec]
-    offsets: dict[str, tuple[int, int]]
-    metadata: dict[str, str]
-    data_start: int
-
-
 def _not_safetensors(path: str, reason: str) -> ValueError:
     return ValueError(f"{path!r} is not a valid safetensors file: {reason}")
 
 
-def _parse_entry(path: str, name: str, entry: Any) -> tuple[TensorSpec, tuple[int, int]]:
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise _not_safetensors(
-            path, f"header entry {name!r} must have exactly dtype, shape, data_offsets: {entry!r}"
-        )
-    dtype = _SAFETENSORS_DTYPES_BY_NAME.get(entry["dtype"])
-    if dtype is None:
-        raise _not_safetensors(
-            path,
-            f"tensor {name!r} has dtype {entry['dtype']!r}, not one of "
-            f"{', '.join(_SAFETENSORS_DTYPES_BY_NAME)}",
-        )
-    shape_value = entry["shape"]
-    if not isinstance(shape_value, list) or any(
-        isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape_value
-    ):
-        raise _not_safetensors(path, f"tensor {name!r} has invalid shape {shape_value!r}")
-    shape = tuple(shape_value)
-    span = entry["data_offsets"]
-    if (
-        not isinstance(span, list)
-        or len(span) != 2
-        or any(isinstance(o, bool) or not isinstance(o, int) for o in span)
-        or not 0 <= span[0] <= span[1]
-    ):
-        raise _not_safetensors(path, f"tensor {name!r} has invalid data_offsets {span!r}")
-    begin, end = span
-    if end - begin != _nbytes(dtype, shape):
-        raise _not_safetensors(
-            path,
-            f"tensor {name!r} ({_describe(dtype, shape)}) needs {_nbytes(dtype, shape)} bytes "
-            f"but its data_offsets {span} span {end - begin}",
-        )
-    return (dtype, shape), (begin, end)
+@contextlib.contextmanager
+def _safe_open(path: str | os.PathLike[str]) -> Iterator[Any]:
+    """``safetensors.safe_open(path, framework="pt")``, its refusal turned into a ValueError that
+    names the path and the reason (see :func:`_size_problem`)."""
+    from safetensors import SafetensorError, safe_open
 
-
-def _check_no_holes(path: str, offsets: Mapping[str, tuple[int, int]]) -> int:
-    """Return the data buffer's size; raise if tensors overlap or leave gaps."""
-    position = 0
-    for name, (begin, end) in sorted(offsets.items(), key=lambda item: item[1]):
-        if begin != position:
-            problem = "overlaps the previous tensor" if begin < position else "leaves a gap"
-            raise _not_safetensors(
-                path,
-                f"tensor {name!r} starts at byte {begin} of the data but {problem} "
-                f"(expected {position})",
-            )
-        position = end
-    return position
-
-
-def _read_header(path: str | os.PathLike[str]) -> _SafetensorsHeader:
     name = os.fspath(path)
-    with open(name, "rb") as handle:
-        file_size = os.fstat(handle.fileno()).st_size
-        if file_size < 8:
-            raise _not_safetensors(
-                name, f"it has {file_size} bytes, fewer than the 8-byte header length field"
-            )
-        header_size = int.from_bytes(handle.read(8), "little")
-        if header_size > _MAX_SAFETENSORS_HEADER_BYTES:
-            raise _not_safetensors(
-                name,
-                f"its header length field says {header_size} bytes, more than the "
-                f"{_MAX_SAFETENSORS_HEADER_BYTES} safetensors allows",
-            )
-        if header_size > file_size - 8:
-            raise _not_safetensors(
-                name,
-                f"its header length field says {header_size} bytes but only {file_size - 8} "
-                "follow: the file is truncated (or not safetensors)",
-            )
-        raw = handle.read(header_size)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise _not_safetensors(name, f"its header is not UTF-8 JSON ({error})") from error
-    if not isinstance(header, dict):
-        raise _not_safetensors(name, f"its header is JSON {type(header).__name__}, not an object")
+        handle = safe_open(name, framework="pt")
+    except SafetensorError as error:
+        reason = _size_problem(name) or str(error).removeprefix("Error while deserializing header: ")
+        raise _not_safetensors(name, reason) from error
+    with handle as opened:
+        yield opened
 
-    metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise _not_safetensors(name, f"__metadata__ must map str to str, got {metadata!r}")
-    specs: dict[str, TensorSpec] = {}
-    offsets: dict[str, tuple[int, int]] = {}
-    for tensor_name, entry in header.items():
-        specs[tensor_name], offsets[tensor_name] = _parse_entry(name, tensor_name, entry)
 
-    data_start = 8 + header_size
-    expected = _check_no_holes(name, offsets)
-    actual = file_size - data_start
+def _size_problem(path: str) -> str | None:
+    """Why a file that safetensors refused does not add up, where its sizes tell: safetensors says
+    "incomplete metadata, file not fully covered" both for a file cut short and for trailing
+    bytes, and "invalid header length" for a header cut short; an interrupted copy is by far the
+    commonest cause, so the message should say so. Only explains, never validates (safetensors
+    did that); None when the sizes are not the problem."""
+    try:
+        with open(path, "rb") as handle:
+            file_size = os.fstat(handle.fileno()).st_size
+            if file_size < 8:
+                return f"it has {file_size} bytes, fewer than the 8-byte header length field"
+            header_size = int.from_bytes(handle.read(8), "little")
+            if header_size > file_size - 8:
+                return (f"its header length field says {header_size} bytes but only {file_size - 8} follow: "
+                        "the file is truncated (or not safetensors)")
+            header = json.loads(handle.read(header_size))
+        header.pop("__metadata__", None)
+        expected = max((int(entry["data_offsets"][1]) for entry in header.values()), default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None  # the header itself is what is wrong: safetensors' own reason says how
+    actual = file_size - 8 - header_size
     if actual < expected:
-        raise _not_safetensors(
-            name,
-            f"header says {expected} bytes of data but the file has {actual}: "
-            "the file is truncated",
-        )
+        return f"header says {expected} bytes of data but the file has {actual}: the file is truncated"
     if actual > expected:
-        raise _not_safetensors(
-            name,
-            f"header says {expected} bytes of data but the file has {actual}: "
-            f"{actual - expected} unexplained trailing bytes",
-        )
-    return _SafetensorsHeader(specs, offsets, metadata, data_start)
+        return (f"header says {expected} bytes of data but the file has {actual}: "
+                f"{actual - expected} unexplained trailing bytes")
+    return None
 
 
 def read_safetensors_header(
@@ -861,40 +790,37 @@ def read_safetensors_header(
 ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, str]]:
     """Return ``(specs, metadata)`` of a safetensors file without reading its tensor data.
 
-    ``specs`` maps each tensor name to ``(dtype, shape)`` in header order; ``metadata`` is the
-    header's ``__metadata__`` (empty if absent). The header is validated against the file size.
+    ``specs`` maps each tensor name to ``(dtype, shape)``; ``metadata`` is the header's
+    ``__metadata__`` (empty if absent). Read with ``safetensors.safe_open``, which validates the
+    header against the file size.
 
     Raises:
         ValueError: the file is truncated or is not safetensors (the message names the path).
     """
-    header = _read_header(path)
-    return header.specs, header.metadata
+    name = os.fspath(path)
+    with _safe_open(name) as handle:
+        specs: dict[str, TensorSpec] = {}
+        for key in handle.keys():
+            view = handle.get_slice(key)
+            code = view.get_dtype()
+            dtype = _SAFETENSORS_DTYPES_BY_NAME.get(code)
+            if dtype is None:
+                raise _not_safetensors(name, f"tensor {key!r} has dtype {code!r}, which this torch cannot hold")
+            specs[key] = (dtype, tuple(view.get_shape()))
+        return specs, dict(handle.metadata() or {})
 
 
 def load_safetensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """Load every tensor of a safetensors file as a CPU tensor backed by a memory map.
 
-    Nothing is copied up front: pages are read from disk when a tensor is touched. The map is
-    private (copy-on-write), so writing to a returned tensor never modifies the file. Each
-    tensor has its own storage, so saving one does not drag the whole file along.
+    Read with ``safetensors.safe_open``: nothing is copied up front, pages are read from disk when
+    a tensor is touched. The map is private (copy-on-write), so writing to a returned tensor never
+    modifies the file. Each tensor has its own storage, so saving one does not drag the whole file
+    along.
 
     Raises:
         ValueError: the file is truncated or is not safetensors (the message names the path).
     """
     _check_little_endian(f"reading {os.fspath(path)!r}")
-    header = _read_header(path)
-    with open(os.fspath(path), "rb") as handle:
-        # ACCESS_COPY: a writable private map, so torch.frombuffer needs no read-only warning
-        # and in-place edits stay in this process. The map outlives the file handle.
-        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    tensors: dict[str, Tensor] = {}
-    for name, (dtype, shape) in header.specs.items():
-        begin, _ = header.offsets[name]
-        count = math.prod(shape)
-        if count == 0:
-            # torch.frombuffer refuses an empty range; there are no bytes to map anyway.
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=header.data_start + begin)
-        tensors[name] = flat.reshape(shape)
-    return tensors
+    with _safe_open(path) as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}
