@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lightning_zero.zero.comm as comm
-from lightning_zero.zero.comm import Collectives, StepGroups
+from lightning_zero.zero.comm import CollectiveForms, Collectives, StepGroups
 
 
 class FakeScatter:
@@ -47,6 +47,7 @@ def collectives(monkeypatch: pytest.MonkeyPatch) -> tuple[Collectives, list[torc
     fake.world_size, fake.rank, fake.backend, fake.replicas = 2, 0, "gloo", 2
     fake.replicate_group, fake.step_groups, fake._replica_reductions = None, StepGroups(), []
     fake._reduce_group = fake._control_group = fake.group = None
+    fake.forms = CollectiveForms.native()  # the reduce-scatter form, whose handle these tests fake
     return fake, launched
 
 
