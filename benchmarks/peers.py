@@ -147,23 +147,13 @@ class PeerSpec:
 
 
 @dataclass(frozen=True)
-class PeerRankResult:
-    """What one rank measured, or why it could not."""
+class PeerRankResult(step_time.RankResult):
+    """What one rank measured (step_time.py's fields, and the bytes communicated), or why it could not."""
 
-    rank: int
-    step_times_s: list[float] = field(default_factory=list)
     wire_bytes: list[int] = field(default_factory=list)
     """Per measured step: bytes written to sockets (empty where not measured)."""
     payload_bytes: list[int] = field(default_factory=list)
     """Per measured step: bytes handed to torch.distributed collectives."""
-    peak_rss_bytes: int = 0
-    params: int = 0
-    grads: int = 0
-    optimizer_states: int = 0
-    num_params: int = 0
-    model_source: str = ""
-    error: str | None = None
-    wrote_result: bool = True
 
 
 @dataclass(frozen=True)
