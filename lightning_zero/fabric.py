@@ -149,7 +149,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         if deepspeed_config is not None:
-            settings = _read_deepspeed(deepspeed_config, stage, config, precision)
+            settings = _read_deepspeed(deepspeed_config, stage, config, precision, owner="ZeroFabricStrategy",
+                                      precision_name="precision")
             config = settings.zero
             if settings.precision is not None:
                 self._precision = ZeroFabricPrecision(settings.precision, loss_scale=settings.loss_scale)
@@ -430,7 +431,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                 f"ZeroFabricStrategy loads {source} into the set-up model and optimizers: pass them, e.g."
                 " fabric.load(path, {'model': model, 'optimizer': optimizer}) (a sharded checkpoint is never whole"
                 " on one rank; `lightning-zero consolidate` writes one file).")
-        model_key, optimizer_keys = self._roles(state, "fabric.load", need_model=True)
+        model_key, optimizer_keys = self._roles(state, "fabric.load")
         optimizers = [state[k] for k in optimizer_keys]
         if sharded:
             lightning = load_sharded_checkpoint(source, self._module, optimizers or None, engine,  # type: ignore[arg-type]
@@ -459,7 +460,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                 state[key] = lightning.pop(key)
         return lightning
 
-    def _roles(self, state: Mapping[str, Any], what: str, need_model: bool = True) -> tuple[str, list[str]]:
+    def _roles(self, state: Mapping[str, Any], what: str) -> tuple[str, list[str]]:
         """Which entry of ``state`` is the set-up model, and which are its optimizers (in order)."""
         model_keys = [k for k, v in state.items() if v is self._module]
         optimizer_keys = [k for k, v in state.items() if isinstance(v, ShardedOptimizer)]

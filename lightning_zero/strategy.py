@@ -1111,18 +1111,20 @@ def _do_nothing(*args: Any) -> None:
     pass
 
 
-def _read_deepspeed(source: DeepSpeedSource, stage: int | None, config: object, precision_plugin: object
-                    ) -> DeepSpeedSettings:
+def _read_deepspeed(source: DeepSpeedSource, stage: int | None, config: object, precision_plugin: object,
+                    owner: str = "ZeroStrategy", precision_name: str = "precision_plugin") -> DeepSpeedSettings:
+    """The settings of a ``deepspeed_config`` given to ``owner`` (ZeroStrategy, or ZeroFabricStrategy
+    whose precision argument is ``precision``), refusing what the config already decides."""
     given = [name for name, value in (("stage", stage), ("config", config)) if value is not None]
     if given:
         raise ValueError(
-            f"ZeroStrategy(deepspeed_config=..., {'=..., '.join(given)}=...): the DeepSpeed config already says how"
+            f"{owner}(deepspeed_config=..., {'=..., '.join(given)}=...): the DeepSpeed config already says how"
             " ZeRO runs. Give one of them.")
     settings = read_deepspeed_config(source)
     if settings.precision is not None and precision_plugin is not None:
         raise ValueError(
-            f"ZeroStrategy(deepspeed_config=..., precision_plugin=...): the DeepSpeed config {settings.source} sets the"
-            f" precision ({settings.precision!r}). Drop precision_plugin, or disable the config's fp16/bf16 section.")
+            f"{owner}(deepspeed_config=..., {precision_name}=...): the DeepSpeed config {settings.source} sets the"
+            f" precision ({settings.precision!r}). Drop {precision_name}, or disable the config's fp16/bf16 section.")
     message = settings.ignored_keys_message()
     if message is not None:
         rank_zero_warn(message, category=DeepSpeedConfigWarning)

@@ -248,3 +248,16 @@ def test_fabric_refuses_a_mesh_with_the_fix() -> None:
 
     with pytest.raises(ValueError, match="tensor and pipeline parallelism need the Trainer"):
         ZeroFabricStrategy(config=ZeroConfig(parallel=ParallelConfig(tensor=2)))
+
+
+def test_fabric_takes_a_deepspeed_config_and_names_what_it_refuses() -> None:
+    from lightning_zero import CPUOffloadPolicy, ZeroConfig, ZeroFabricPrecision, ZeroFabricStrategy
+
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
+    strategy = ZeroFabricStrategy(deepspeed_config=ds)
+    assert strategy.config == ZeroConfig(stage=3, offload_optimizer=CPUOffloadPolicy(pin_memory=False))
+    assert isinstance(strategy.precision, ZeroFabricPrecision) and strategy.precision.precision == "bf16-mixed"
+    with pytest.raises(ValueError, match=r"ZeroFabricStrategy\(deepspeed_config=\.\.\., precision=\.\.\.\).*Drop precision,"):
+        ZeroFabricStrategy(deepspeed_config=ds, precision=ZeroFabricPrecision("bf16-mixed"))
+    with pytest.raises(ValueError, match=r"ZeroFabricStrategy\(deepspeed_config=\.\.\., stage=\.\.\.\)"):
+        ZeroFabricStrategy(stage=2, deepspeed_config=ds)
