@@ -7,13 +7,18 @@
 Configurations (``ddp`` always runs: every ratio is to DDP measured in the same run):
 
 - ``ddp``: Lightning's DDPStrategy, the baseline.
+- ``floor``: the compute floor: each of the ``--world-size`` processes trains the same GPT alone on
+  one device (no process group, nothing communicated: forward, backward and the full optimizer
+  step), all at once, so that they share the machine as the ranks of the other rows do.
 - ``ds_stage1``, ``ds_stage2``, ``ds_stage3``, ``ds_stage2_offload`` (optimizer offloaded) and
   ``ds_stage3_offload`` (optimizer and parameters offloaded): Lightning's own
   ``lightning.pytorch.strategies.DeepSpeedStrategy`` with the presets of its registry; the offload
   presets step ``deepspeed.ops.adam.DeepSpeedCPUAdam``, the others the demo's ``torch.optim.AdamW``.
 - ``fsdp2``: Lightning's ``ModelParallelStrategy`` with ``fully_shard`` on every block and the root
   in ``configure_model`` (data parallel only).
-- ``zero1``, ``zero2``, ``zero3``, ``zero2_offload``, ``zero3_offload``: ours, by registered name.
+- ``zero1``, ``zero2``, ``zero3``, ``zero2_offload``, ``zero3_offload``: ours, by registered name
+  (with ``--reduce-dtype``, the preset with that ``ZeroConfig.reduce_dtype``: DeepSpeed reduces in the
+  gradients' dtype, bf16 under bf16-mixed, so ``--reduce-dtype bf16`` compares like with like).
 
 Every configuration trains the demo GPT (``examples/gpt/model.py``, through ``step_time.py``'s
 builder) on random tokens for ``--warmup + --steps`` optimizer steps in a fresh set of rank
@@ -89,6 +94,7 @@ from step_time import _wait_for_ranks, _warn_if_shared, token_loader  # noqa: E4
 
 MiB = 2**20
 BASELINE = "ddp"
+FLOOR_RANK = "PEERS_FLOOR_RANK"  # the floor's processes are not ranks of a group: which one each is
 DEEPSPEED_STAGES: dict[str, dict[str, Any]] = {
     # The keyword arguments of Lightning's own registry presets (DeepSpeedStrategy.register_strategies).
     "ds_stage1": {"stage": 1},
@@ -98,9 +104,13 @@ DEEPSPEED_STAGES: dict[str, dict[str, Any]] = {
     "ds_stage3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
 }
 OURS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+# Each of ours and the DeepSpeed preset at the same stage.
+COUNTERPART = dict(zip(OURS, ("ds_stage1", "ds_stage2", "ds_stage3", "ds_stage2_offload", "ds_stage3_offload")))
+FLOOR = "floor"
 # Interleaved so that each of ours runs next to its DeepSpeed counterpart.
 CONFIGS = (
     "ddp",
+    FLOOR,
     "ds_stage1", "zero1",
     "ds_stage2", "zero2",
     "ds_stage3", "zero3",
@@ -116,7 +126,7 @@ def _family(config: str) -> str:
         return "deepspeed"
     if config in OURS:
         return "lightning_zero"
-    return {"ddp": "ddp", "fsdp2": "fsdp2"}[config]
+    return {"ddp": "ddp", "fsdp2": "fsdp2", FLOOR: FLOOR}[config]
 
 
 # ---------------------------------------------------------------------------------------- specs
@@ -132,6 +142,8 @@ class PeerSpec:
     device: str
     """``cpu`` (gloo) or ``cuda`` (nccl)."""
     model: ModelKnobs
+    reduce_dtype: str | None = None
+    """Ours only: ``ZeroConfig.reduce_dtype`` (None: the preset's, fp32)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -345,7 +357,7 @@ def _held_tensors(value: Any, depth: int = 0) -> Iterator[Any]:
 
 def _rank_main(spec: PeerSpec, result_path: Path) -> int:
     """Entry point of one rank: trains, measures, writes a ``PeerRankResult`` as JSON."""
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", os.environ.get(FLOOR_RANK, "0")))
     try:
         result = _train_and_measure(spec, rank)
     except Exception as error:  # noqa: BLE001 - reported to the parent as this configuration's row
@@ -383,7 +395,7 @@ def _train_and_measure(spec: PeerSpec, rank: int) -> PeerRankResult:
     probe = _probe_class()(spec.warmup, spec.warmup + spec.steps, payload)
     trainer = pl.Trainer(
         accelerator="gpu" if spec.device == "cuda" else "cpu",
-        devices=spec.world_size,
+        devices=1 if spec.config == FLOOR else spec.world_size,
         num_nodes=1,
         strategy=_build_strategy(spec),
         precision=spec.precision,
@@ -501,6 +513,8 @@ def _adapt_model(model: Any, config: str) -> None:
 
 def _build_strategy(spec: PeerSpec) -> Any:
     backend = "nccl" if spec.device == "cuda" else "gloo"
+    if spec.config == FLOOR:
+        return "auto"  # one device, no process group: nothing is communicated
     if spec.config == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -522,7 +536,15 @@ def _build_strategy(spec: PeerSpec) -> Any:
     import importlib
 
     importlib.import_module("lightning_zero")  # registers the zero* names
-    return spec.config
+    if spec.reduce_dtype is None:
+        return spec.config
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    # The registered preset's own arguments, with the reduction dtype changed.
+    entry = StrategyRegistry[spec.config]
+    params = dict(entry["init_params"])
+    params["config"] = replace(params["config"], reduce_dtype=spec.reduce_dtype)
+    return entry["strategy"](**params)
 
 
 def _probe_class() -> type:
@@ -585,6 +607,11 @@ def _probe_class() -> type:
 # ---------------------------------------------------------------------------------------- parent side
 def _peer_environment(spec: PeerSpec, rank: int, port: int) -> dict[str, str]:
     env = {**os.environ, **_rank_environment(rank, spec.world_size, port)}
+    if spec.config == FLOOR:
+        # A process on its own: without torchrun's variables Lightning starts no process group.
+        for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(name, None)
+        env[FLOOR_RANK] = str(rank)
     # This checkout's lightning_zero, whatever is installed (a rank's sys.path starts at benchmarks/).
     env["PYTHONPATH"] = os.pathsep.join([str(step_time.REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     if _family(spec.config) == "deepspeed" and spec.device == "cpu":
@@ -711,18 +738,24 @@ def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, c
         f"Per rank, {spec.world_size} ranks, {backend}, {spec.precision}; median of {spec.steps} steps after"
         f" {spec.warmup} warm-up, median over {rounds} interleaved round(s); ratios (x) are to ddp in this run.",
         "",
-        "| config | step ms | x | peak RSS MiB | x | state MiB (params/grads/optim) | x"
+        "| config | step ms | x | x floor | x DeepSpeed | peak RSS MiB | x | state MiB (params/grads/optim) | x"
         " | wire MiB/step | x | payload MiB/step | x |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    by_config = {r.config: r for r in results if r.error is None}
+    floor = by_config.get(FLOOR)
     for r in results:
+        label = f"{r.config} ({spec.reduce_dtype} reduce)" if spec.reduce_dtype and r.config in OURS else r.config
         if r.error is not None:
-            lines.append(f"| {r.config} | failed: {r.error.replace('|', '/')} |" + " |" * 9)
+            lines.append(f"| {label} | failed: {r.error.replace('|', '/')} |" + " |" * 11)
             continue
         p, g, o = r.state_bytes or (None, None, None)
         b = baseline
+        counterpart = by_config.get(COUNTERPART.get(r.config, ""))
         lines.append(
-            f"| {r.config} | {r.median_step_s * 1e3:.0f} | {_x(r.median_step_s, b and b.median_step_s)}"
+            f"| {label} | {r.median_step_s * 1e3:.0f} | {_x(r.median_step_s, b and b.median_step_s)}"
+            f" | {_x(r.median_step_s, floor and floor.median_step_s)}"
+            f" | {_x(r.median_step_s, counterpart.median_step_s) if counterpart else ''}"
             f" | {_mib(r.peak_rss_bytes)} | {_x(r.peak_rss_bytes, b and b.peak_rss_bytes)}"
             f" | {_mib(r.state_total)} ({_mib(p)}/{_mib(g)}/{_mib(o)}) | {_x(r.state_total, b and b.state_total)}"
             f" | {_mib(r.wire_bytes_per_step)} | {_x(r.wire_bytes_per_step, b and b.wire_bytes_per_step)}"
@@ -732,6 +765,8 @@ def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, c
         "",
         f"GPT n_layer={knobs.n_layer} n_head={knobs.n_head} n_embd={knobs.n_embd} block_size={knobs.block_size}"
         f" vocab={knobs.vocab_size}, batch {knobs.batch_size}/rank: {model_line}.",
+        "x floor: step time over the floor's (each rank training alone, no communication, all at once);"
+        " x DeepSpeed: ours over Lightning's DeepSpeedStrategy at the same stage.",
         "step: the slowest rank's; RSS, state and comm: the largest rank's. state: held just before the last"
         " optimizer step. wire: bytes written to sockets; payload: bytes handed to torch.distributed collectives.",
         f"`{command}` ({wall_s:.0f} s, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_machine()})",
@@ -801,6 +836,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=_positive_int, default=2, help="interleaved repeats of every configuration")
     parser.add_argument("--world-size", type=_positive_int, default=2)
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
+    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="ours: ZeroConfig.reduce_dtype (default: the presets' fp32; DeepSpeed reduces in the"
+                             " gradients' dtype, bf16 under bf16-mixed)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="cpu: gloo; cuda: nccl, one GPU per rank (untested); auto: cuda with enough GPUs")
     parser.add_argument("--n-layer", type=_positive_int, default=4)
@@ -837,7 +875,8 @@ def main(argv: Sequence[str]) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     knobs = ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
     device = _default_device(args.world_size) if args.device == "auto" else args.device
-    base = PeerSpec(BASELINE, args.world_size, args.warmup, args.steps, args.precision, device, knobs)
+    base = PeerSpec(BASELINE, args.world_size, args.warmup, args.steps, args.precision, device, knobs,
+                    reduce_dtype=args.reduce_dtype)
     cpu_before, started = _cpu_seconds(), time.monotonic()
     runs: dict[str, list[PeerResult]] = {c: [] for c in configs}
     for round_index in range(args.rounds):

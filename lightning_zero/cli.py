@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--offload", choices=["none", "optimizer", "params"], default="none",
                           help="optimizer: offload_optimizer; params: also offload_params (stage 3 only)")
     estimate.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where training runs")
-    estimate.add_argument("--reduce-bucket-size", type=int, default=ZeroConfig.reduce_bucket_size)
+    estimate.add_argument("--reduce-bucket-size", type=int, default=None,
+                          help="elements per gradient bucket (default: sized from the model, see ZeroConfig)")
     estimate.add_argument("--reduce-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     estimate.add_argument("--prefetch-units", type=int, default=ZeroConfig.prefetch_units)
     estimate.add_argument("--min-unit-numel", type=int, default=ZeroConfig.min_unit_numel)

@@ -168,6 +168,26 @@ class PipelineConfig:
         return self.microbatches if self.microbatches is not None else self.num_stages
 
 
+# [Note: bucket size]
+# Without an explicit reduce_bucket_size, stages 1/2 cut an optimizer's trainable elements into
+# about AUTO_BUCKET_SPLIT buckets, none smaller than AUTO_BUCKET_MIN nor larger than
+# AUTO_BUCKET_MAX elements. Why these bounds:
+# - Split: a bucket's reduction starts when its last gradient arrives, so the last bucket of
+#   backward (what is left to reduce once backward ends) is 1/8 of the gradients instead of all of
+#   them, as one fixed 25M bucket makes it for any model under 25M parameters.
+# - Floor: every bucket costs one reduce-scatter and one all-gather per step, and each collective
+#   has a fixed latency (about 0.6 ms on gloo here, where 16K elements cost what 4K do: see
+#   benchmarks/comm.py); from 1M elements (4 MB of fp32) the bytes dominate on gloo and NCCL alike.
+# - Cap: the memory of the buckets in flight (2 x 25M x 4 bytes = 200 MB of fp32 gradients), the
+#   fixed size before; larger models get more buckets, and with them more overlap.
+# On 2 gloo ranks of this project's CPU machine the step of the 3.2M-parameter demo GPT is the
+# same within noise from 500K- to 25M-element buckets (the CPU is busy with compute while gloo
+# reduces, so overlap buys little there); the split is for accelerators, where it does.
+AUTO_BUCKET_SPLIT = 8
+AUTO_BUCKET_MIN = 1_000_000
+AUTO_BUCKET_MAX = 25_000_000
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """How ZeRO shards and communicates.
@@ -180,7 +200,9 @@ class ZeroConfig:
             as soon as every gradient in it is ready, overlapping the rest of backward; larger
             buckets mean fewer, more efficient collectives but less overlap and more memory. The
             updated parameters are all-gathered after the step in the same buckets, because each
-            rank owns 1/N of every bucket.
+            rank owns 1/N of every bucket. ``None`` (the default) sizes them from the model: an
+            eighth of the optimizer's trainable elements, at least 1M and at most 25M (see
+            :meth:`bucket_size_for` and [Note: bucket size]).
         reduce_every_micro_step: with gradient accumulation, the default reduces once per
             optimizer step (no communication on non-boundary micro-steps, at the price of a full
             local gradient buffer). ``True`` reduce-scatters every micro-step into the rank's
@@ -228,7 +250,7 @@ class ZeroConfig:
     """
 
     stage: int = 2
-    reduce_bucket_size: int = 25_000_000
+    reduce_bucket_size: int | None = None
     reduce_every_micro_step: bool = False
     reduce_dtype: str = "fp32"
     allow_unknown_optimizer: bool = False
@@ -251,8 +273,10 @@ class ZeroConfig:
                 f"ZeroConfig.stage={self.stage!r} is not supported: use 1 (optimizer state sharded), 2"
                 " (optimizer state and gradients sharded) or 3 (parameters sharded too)."
             )
-        _check_positive("reduce_bucket_size", self.reduce_bucket_size,
-                        "25_000_000 (about 100 MB of fp32 gradients per bucket)")
+        if self.reduce_bucket_size is not None:
+            _check_positive("reduce_bucket_size", self.reduce_bucket_size,
+                            "25_000_000 (about 100 MB of fp32 gradients per bucket), or None to size buckets from"
+                            " the model")
         _check_type("reduce_every_micro_step", self.reduce_every_micro_step, bool)
         _check_type("allow_unknown_optimizer", self.allow_unknown_optimizer, bool)
         _check_type("check_gather_order", self.check_gather_order, bool)
@@ -320,6 +344,13 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.reduce_dtype={self.reduce_dtype!r} is not one of {', '.join(map(repr, REDUCE_DTYPES))}."
             )
+
+    def bucket_size_for(self, numel: int) -> int:
+        """Elements per gradient bucket for an optimizer over ``numel`` trainable elements:
+        ``reduce_bucket_size`` when set, else the rule of [Note: bucket size]."""
+        if self.reduce_bucket_size is not None:
+            return self.reduce_bucket_size
+        return min(AUTO_BUCKET_MAX, max(AUTO_BUCKET_MIN, -(-numel // AUTO_BUCKET_SPLIT)))
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype:

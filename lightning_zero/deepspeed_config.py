@@ -378,7 +378,7 @@ class _Reader:
         if bucket is not None:
             kwargs["reduce_bucket_size"] = bucket
         gather_bucket = self.count("zero_optimization.allgather_bucket_size", values.get("allgather_bucket_size"))
-        if gather_bucket is not None and gather_bucket != kwargs.get("reduce_bucket_size", ZeroConfig.reduce_bucket_size):
+        if gather_bucket is not None and gather_bucket != kwargs.get("reduce_bucket_size"):
             self.unused["zero_optimization.allgather_bucket_size"] = (
                 "the all-gathers use the reduce buckets (reduce_bucket_size)")
         for key in _ALWAYS_ON:

@@ -122,7 +122,10 @@ def test_the_search_space_checks_itself() -> None:
     space = SearchSpace(micro_batch_sizes=[16, 4, 4], stages=[3, 1], offload="optimizer")
     assert space.micro_batch_sizes == (4, 16) and space.layouts() == [(1, "optimizer"), (3, "optimizer")]
     assert SearchSpace().layouts()[:3] == [(1, "none"), (2, "none"), (3, "none")]
-    assert SearchSpace().bucket_sizes(ZeroConfig(), 80_000_000) == (5_000_000, 20_000_000, 25_000_000)
+    # The base's bucket (sized from the model by default: 80M / 8) and fractions of the model.
+    assert SearchSpace().bucket_sizes(ZeroConfig(), 80_000_000) == (5_000_000, 10_000_000, 20_000_000)
+    assert SearchSpace().bucket_sizes(ZeroConfig(reduce_bucket_size=25_000_000), 80_000_000) == (
+        5_000_000, 20_000_000, 25_000_000)
 
 
 @pytest.mark.parametrize("text,expected", [("8GiB", 8 * 2**30), ("512 MB", 512 * 10**6), ("1.5e9", 1_500_000_000),

@@ -98,6 +98,7 @@ class _Search:
     def __init__(self, space: SearchSpace, base: ZeroConfig, numel: int, runner: Runner, budget: int,
                  on_start: Callable[[Candidate], None] | None, on_record: Callable[[TrialRecord], None] | None) -> None:
         self.space, self.base, self.runner, self.budget = space, base, runner, budget
+        self.numel = numel
         self.buckets = space.bucket_sizes(base, numel)
         self.units = space.unit_numels(base, numel)
         self.records: list[TrialRecord] = []
@@ -108,7 +109,7 @@ class _Search:
     def point(self, stage: int, offload: str, micro_batch_size: int) -> Candidate:
         """A layout at a micro-batch, with the other knobs at the base configuration's value (or the
         space's nearest to it)."""
-        return Candidate(stage, offload, micro_batch_size, _nearest(self.buckets, self.base.reduce_bucket_size),
+        return Candidate(stage, offload, micro_batch_size, _nearest(self.buckets, self.base.bucket_size_for(self.numel)),
                          _nearest(self.space.prefetch_units, self.base.prefetch_units),
                          _nearest(self.units, self.base.min_unit_numel))
 

@@ -99,7 +99,7 @@ class SearchSpace:
     def bucket_sizes(self, base: ZeroConfig, numel: int) -> tuple[int, ...]:
         if self.reduce_bucket_sizes is not None:
             return self.reduce_bucket_sizes
-        return _derived(base.reduce_bucket_size, numel, (4, 16))
+        return _derived(base.bucket_size_for(numel), numel, (4, 16))
 
     def unit_numels(self, base: ZeroConfig, numel: int) -> tuple[int, ...]:
         if self.min_unit_numels is not None:

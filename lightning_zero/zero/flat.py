@@ -3,7 +3,8 @@
 [Note: sharding layout]
 The parameters of one optimizer param group and one dtype are packed, in reverse registration
 order (roughly the order backward produces their gradients), into buckets of about
-``reduce_bucket_size`` elements. Each bucket is padded to a multiple of the world size N and
+``ZeroConfig.bucket_size_for`` elements (``reduce_bucket_size``, or a size from the model: see
+[Note: bucket size] in config.py). Each bucket is padded to a multiple of the world size N and
 split into N equal chunks: rank r owns chunk r of every bucket. A rank's master shard is the
 concatenation of its chunks (one tensor per bucket, ~Psi/N elements in all), and one
 reduce-scatter (gradients) or all-gather (parameters) per bucket moves exactly that bucket's
@@ -312,6 +313,10 @@ class FlatLayout:
             check_device_backend(self.config, device)
         index = 0
         seen: set[nn.Parameter] = set()
+        # One size for every param group of the optimizer, from all of its trainable elements (see
+        # [Note: bucket size] in config.py).
+        trainable = {p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        bucket_size = self.config.bucket_size_for(sum(p.numel() for p in trainable))
         for group_idx, group in enumerate(optimizer.param_groups):
             by_dtype: dict[torch.dtype, list[tuple[int, str, nn.Parameter]]] = {}
             for param in group["params"]:
@@ -335,7 +340,7 @@ class FlatLayout:
             group_buffers = [
                 FlatParamBuffer(
                     entries,
-                    bucket_size=self.config.reduce_bucket_size,
+                    bucket_size=bucket_size,
                     world_size=self.collectives.world_size,
                     rank=self.collectives.rank,
                     keep_grad_buffers=self.config.stage == 1,
