@@ -392,7 +392,7 @@ def _train_and_measure(spec: PeerSpec, rank: int) -> PeerRankResult:
     model, model_source = step_time._build_model(spec.step_time_spec())
     num_params = sum(p.numel() for p in model.parameters())  # before any sharding
     _adapt_model(model, spec.config)
-    probe = _probe_class()(spec.warmup, spec.warmup + spec.steps, payload)
+    probe = _probe_class(_family(spec.config))(spec.warmup, spec.warmup + spec.steps, payload)
     trainer = pl.Trainer(
         accelerator="gpu" if spec.device == "cuda" else "cpu",
         devices=1 if spec.config == FLOOR else spec.world_size,
@@ -547,8 +547,10 @@ def _build_strategy(spec: PeerSpec) -> Any:
     return entry["strategy"](**params)
 
 
-def _probe_class() -> type:
+def _probe_class(family: str) -> type:
     """The measuring callback, built on first use so that the parent never imports lightning."""
+    import lightning.pytorch as pl
+
     import lightning_zero
 
     timer_class = step_time._step_timer_class()
@@ -601,7 +603,21 @@ def _probe_class() -> type:
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             pass  # measured in on_before_optimizer_step instead
 
-    return PeerProbe
+    class OurProbe(PeerProbe):
+        """For ours: a callback's on_before_optimizer_step may read the gradients, so its mere
+        presence makes ZeroStrategy land every reduction before the hook, turning the overlapped
+        step off (see [Note: overlapped step]). The state is measured after the last step instead,
+        where ours still holds the same gradients (they are dropped by the next zero_grad)."""
+
+        on_before_optimizer_step = pl.Callback.on_before_optimizer_step
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if self._seen_batches == self.total_steps:
+                state = lightning_zero.model_state_bytes(pl_module, trainer.strategy.optimizers)
+                self.state_bytes = (state.params, state.grads, state.optimizer_states)
+
+    return OurProbe if family == "lightning_zero" else PeerProbe
 
 
 # ---------------------------------------------------------------------------------------- parent side

@@ -14,6 +14,7 @@ from lightning_zero.callbacks import ZeroAutotuner, ZeroMemoryProfiler, ZeroTune
 from lightning_zero.checkpoint import CheckpointError, consolidate, consolidate_hf
 from lightning_zero.config import ParallelConfig, PipelineConfig, ZeroConfig
 from lightning_zero.deepspeed_config import DeepSpeedConfigWarning, DeepSpeedSettings, read_deepspeed_config
+from lightning_zero.zero.stage3.partition import SmallUnitsWarning
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
 from lightning_zero.precision import ZeroPrecision
@@ -47,6 +48,7 @@ __all__ = [
     "Collectives",
     "CountingCollectives",
     "DeepSpeedConfigWarning",
+    "SmallUnitsWarning",
     "DeepSpeedSettings",
     "LossScaleAtMinimumError",
     "LossScaleConfig",

@@ -247,6 +247,12 @@ class ZeroConfig:
             ``"cpu"``, ``"torch"`` or ``"host"`` force that backend (see [Note: backends of the
             fused Adam op] in lightning_zero/ops/fused_adam.py). Offloaded masters always take
             the C++ CPU Adam.
+        overlap_step: stages 1/2, when every master is stepped by a fused kernel (offloaded Adam/AdamW,
+            or ``fused_adam`` on the device) and nothing needs the whole gradient first (no fp16 loss
+            scaler, no clipping, no ``on_before_optimizer_step`` hook): each bucket steps and starts
+            its all-gather as soon as its reduction lands, while later reductions are still in
+            flight. Bit-identical to the plain step; ``False`` waits for every reduction first (see
+            [Note: overlapped step] in zero/optimizer.py).
     """
 
     stage: int = 2
@@ -265,6 +271,7 @@ class ZeroConfig:
     parallel: ParallelConfig = ParallelConfig()
     pipeline: PipelineConfig = PipelineConfig()
     fused_adam: str = "auto"
+    overlap_step: bool = True
 
     def __post_init__(self) -> None:
         _check_type("stage", self.stage, int)
@@ -280,6 +287,7 @@ class ZeroConfig:
         _check_type("reduce_every_micro_step", self.reduce_every_micro_step, bool)
         _check_type("allow_unknown_optimizer", self.allow_unknown_optimizer, bool)
         _check_type("check_gather_order", self.check_gather_order, bool)
+        _check_type("overlap_step", self.overlap_step, bool)
         # YAML gives a list; one class name given as a string is that name, not its letters.
         names = (self.unit_modules,) if isinstance(self.unit_modules, str) else self.unit_modules
         if not isinstance(names, (tuple, list)) or not all(isinstance(name, str) and name for name in names):

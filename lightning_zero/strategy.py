@@ -623,7 +623,9 @@ class ZeroStrategy(ParallelStrategy):
             # their gathers, and every rank raises (see [Note: ranks that disagree]).
             backwards, self._synced_backwards = self._synced_backwards, 0
             agree_before_step(self.collectives, self._require_engine(), backwards)
-            zero_optimizer.finish_grad_sync()
+            if self._gradients_read_before_step(zero_optimizer):
+                zero_optimizer.finish_grad_sync()
+            # else the step lands the reductions itself, bucket by bucket ([Note: overlapped step]).
             return result
 
         try:
@@ -634,6 +636,24 @@ class ZeroStrategy(ParallelStrategy):
                 self._release_root()  # a step whose training_step returned no loss ran no backward
                 if self._engine is not None:
                     self._engine.end_backward()
+
+    def _gradients_read_before_step(self, optimizer: ShardedOptimizer) -> bool:
+        """Whether anything between the closure and the step may read the reduced gradients:
+        Lightning's gradient clipping, an ``on_before_optimizer_step`` of the LightningModule or of a
+        callback, a ``configure_gradient_clipping`` of the module, or an fp16 loss scaler's overflow
+        check. Only when nothing does may the reductions stay in flight into the step."""
+        from lightning.pytorch.callbacks import Callback
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        if not optimizer.config.overlap_step or optimizer.loss_scaler is not None:
+            return True
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if module is None or trainer is None or trainer.gradient_clip_val:
+            return True
+        if any(is_overridden(hook, module) for hook in ("on_before_optimizer_step", "configure_gradient_clipping")):
+            return True
+        return any(is_overridden("on_before_optimizer_step", callback, Callback) for callback in trainer.callbacks)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -241,18 +241,20 @@ class FlatParamBuffer:
 
         ``staged(bucket)``: whether the CPU step already wrote the bucket's low-precision copy.
         """
-        handles = []
-        with torch.no_grad(), torch.profiler.record_function("zero::all_gather"):
-            for bucket in self.buckets:
-                # A separate input tensor: gloo does not promise in-place gathers. A device staging
-                # chunk already is one, in the parameters' dtype: it is sent as it is.
-                source = bucket.staging if bucket.staging is not None and staged(bucket) else bucket.master
-                if source is bucket.staging and source.device == bucket.param_data.device:
-                    chunk = source
-                else:
-                    chunk = source.to(device=bucket.param_data.device, dtype=self.dtype, copy=True)
-                handles.append(collectives.all_gather(bucket.param_data, chunk))
-        return handles
+        return [self.start_bucket_gather(bucket, collectives, staged(bucket)) for bucket in self.buckets]
+
+    @torch.no_grad()
+    def start_bucket_gather(self, bucket: Bucket, collectives: Collectives | CountingCollectives, staged: bool) -> Handle:
+        """Starts gathering one bucket's updated chunks into its parameters."""
+        with torch.profiler.record_function("zero::all_gather"):
+            # A separate input tensor: gloo does not promise in-place gathers. A device staging
+            # chunk already is one, in the parameters' dtype: it is sent as it is.
+            source = bucket.staging if bucket.staging is not None and staged else bucket.master
+            if source is bucket.staging and source.device == bucket.param_data.device:
+                chunk = source
+            else:
+                chunk = source.to(device=bucket.param_data.device, dtype=self.dtype, copy=True)
+            return collectives.all_gather(bucket.param_data, chunk)
 
 
 def _plan_buckets(
@@ -445,6 +447,36 @@ class FlatLayout:
         with torch.profiler.record_function("zero::wait_all_gather"):
             for handle in handles:
                 handle.wait()
+
+    # ------------------------------------------------------------------ overlapped step
+    @property
+    def can_land_by_bucket(self) -> bool:
+        """Whether the step may run bucket by bucket as reductions land (see [Note: overlapped step]
+        in optimizer.py): reductions are owed, and none of them belongs to a round of its own."""
+        return self.schedule.pending and not self.schedule.leftover
+
+    def launch_reductions(self) -> bool:
+        """Launches every reduction still owed (a collective); returns whether any is to land."""
+        self.absorb_writes()
+        return self.schedule.launch_for_finish()
+
+    @torch.no_grad()
+    def land_step_publish(self, step_bucket: Callable[[list[Tensor]], None]) -> None:
+        """As each bucket's reduction lands, in launch order, steps its master pieces
+        (``step_bucket``) and starts its all-gather, while later reductions are still in flight;
+        then waits for the gathers. Together with :meth:`launch_reductions` it replaces
+        ``finish_grad_sync`` + step + :meth:`publish` with the same arithmetic."""
+        bucket_of = {bucket.reduction: (buffer, bucket) for buffer in self.flat_buffers for bucket in buffer.buckets}
+        handles = []
+        with torch.profiler.record_function("zero::land_step_publish"):
+            for reduction in self.schedule.land():
+                buffer, bucket = bucket_of[reduction]
+                step_bucket([piece.holder for piece in bucket.pieces])
+                staged = self.staging.wrote_all(piece.holder for piece in bucket.pieces)
+                handles.append(buffer.start_bucket_gather(bucket, self.collectives, staged))
+            with torch.profiler.record_function("zero::wait_all_gather"):
+                for handle in handles:
+                    handle.wait()
 
     def publish_masters(self) -> None:
         """After the masters were written (a load): the parameters take their values (a collective)."""

@@ -293,6 +293,9 @@ class ShardedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._can_overlap_step():
+            self._overlapped_step()
+            return loss
         self.finish_grad_sync()
         had_grad, overflow = self._step_flags()
         self.last_step_skipped = overflow
@@ -311,6 +314,60 @@ class ShardedOptimizer(Optimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         return loss
+
+    # [Note: overlapped step]
+    # When the step needs no decision over the whole gradient first (no loss scaler whose overflow
+    # check would skip it, no clipping factor) and every master is stepped by a fused kernel (the
+    # C++ CPU Adam of offloaded masters, the device kernel of the others), the step goes bucket by
+    # bucket: the reductions still owed are launched, the per-parameter "had a gradient" flags are
+    # agreed, and then, as each bucket's reduction lands (in launch order, the same on every rank),
+    # its master pieces step and its all-gather starts while the later reductions are still in
+    # flight. Under offload the CPU step of bucket k then overlaps the reductions of buckets k+1...,
+    # and the gather of bucket k the step of bucket k+1. Each element sees the same operations as in
+    # the plain step (finish every reduction, step every master, gather every bucket), so the result
+    # is bit-identical. Stages 1/2 only (the layout must offer land_step_publish); stage 3 keeps
+    # the plain step. ZeroConfig.overlap_step=False turns it off. The strategy leaves the reductions
+    # in flight past the closure only when nothing between the closure and the step reads the
+    # gradients (ZeroStrategy._gradients_read_before_step).
+    def _can_overlap_step(self) -> bool:
+        if not self.config.overlap_step or self.loss_scaler is not None or self._grad_coefficient is not None:
+            return False
+        if not getattr(self.layout, "can_land_by_bucket", False):
+            return False
+        trained = self.layout.trained_masters(None)
+        fused = {master for _, master in fused_cpu_masters(self.optimizer, self.config.offload_optimizer, trained)}
+        fused |= {m for _, masters in device_adam_masters(self.optimizer, self.config, trained, fused) for m in masters}
+        return all(master in fused for masters in trained for master in masters)
+
+    def _overlapped_step(self) -> None:
+        """The step of [Note: overlapped step]."""
+        layout = self.layout
+        launched = layout.launch_reductions()  # type: ignore[attr-defined]
+        had_grad, _ = self._step_flags()
+        self.last_step_skipped = False
+        if not launched or not bool(had_grad.any()):
+            layout.finish_grad_sync()  # lands what was launched; nothing to step
+            return
+        trained = layout.trained_masters(had_grad)
+        fused_cpu = fused_cpu_masters(self.optimizer, self.config.offload_optimizer, trained)
+        fused_device = device_adam_masters(self.optimizer, self.config, trained, {m for _, m in fused_cpu})
+        if layout.staging is not None:
+            layout.staging.begin_step()
+
+        def step_bucket(holders: list[Tensor]) -> None:
+            mine = set(holders)
+            device = [(group, kept) for group, masters in fused_device if (kept := [m for m in masters if m in mine])]
+            if device:
+                with torch.profiler.record_function("zero::fused_adam_step"):
+                    device_adam_step(self.optimizer, device, 1.0, layout.staging, self.config)
+            with torch.profiler.record_function("zero::cpu_adam_step"):
+                for group, master in fused_cpu:
+                    if master in mine:
+                        cpu_adam_step(self.optimizer, group, master, 1.0, layout.staging)
+
+        layout.land_step_publish(step_bucket)  # type: ignore[attr-defined]
+        self._grad_coefficient = None
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as in _run_optimizer
 
     def _run_optimizer(self, trained: list[list[Tensor]]) -> None:
         """Steps the masters in ``trained`` (per param group): offloaded Adam/AdamW masters take the

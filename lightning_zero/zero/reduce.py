@@ -289,9 +289,16 @@ class ReduceSchedule:
         no_sync only, that is every reduction. Every rank must call it; without a backward since the
         last finish (on every rank, see [Note: what one backward is]) there is nothing to send.
         """
+        if self.launch_for_finish():
+            for _ in self.land():
+                pass
+
+    def launch_for_finish(self) -> bool:
+        """The first half of :meth:`finish`: launches everything still owed (every rank must call
+        it); returns whether there is anything to land. :meth:`land` then lands it."""
         self._running_tasks = set()
         if not self.pending:
-            return
+            return False
         if self.leftover:
             # Gradients that came after their reduction went out (here or on another rank) go in a
             # round of their own, zeros elsewhere.
@@ -304,8 +311,16 @@ class ReduceSchedule:
             self._cursor = 0
         self.launch_remaining()
         self._task = None
+        return True
+
+    def land(self) -> Iterator[Reduction]:
+        """The second half of :meth:`finish`: waits for each reduction in launch order and yields it
+        once its chunk is in the master gradient, while the later ones are still in flight (see
+        [Note: overlapped step] in optimizer.py). A reduction left unlanded (the caller stopped)
+        lands when its buffer is next used or dropped."""
         for reduction in self.order:
             reduction.finish()
+            yield reduction
 
     def drop(self, reductions: Sequence[Reduction] | None = None) -> None:
         """Discards local gradients: what other ranks launched, this one launches too first."""

@@ -7,6 +7,7 @@ unit per dtype] in partition.py.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,7 +20,13 @@ from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.layout import ParamPiece
 from lightning_zero.zero.reduce import ReduceSchedule
 from lightning_zero.zero.stage3.hooks import GatherOrder, Phase, StepState, Zero3Hooks, _GatherFor
-from lightning_zero.zero.stage3.partition import build_units, check_dtypes, replace_meta_params
+from lightning_zero.zero.stage3.partition import (
+    SmallUnitsWarning,
+    build_units,
+    check_dtypes,
+    replace_meta_params,
+    small_units_message,
+)
 from lightning_zero.zero.stage3.unit import ShardedParam, ShardedUnit, UnitState
 
 
@@ -54,6 +61,9 @@ class Zero3Engine(Zero3Hooks):
         self.prefetch_units = config.prefetch_units
         self.prefetch_bytes = config.prefetch_bytes
         self.units: list[ShardedUnit] = build_units(module, collectives, config, param_dtype, device)
+        message = small_units_message(self.units, str(getattr(collectives, "backend", "")), config)
+        if message is not None and getattr(collectives, "rank", 0) == 0:  # the same units on every rank: one warning
+            warnings.warn(message, SmallUnitsWarning, stacklevel=2)
         replace_meta_params(module, self.units)
         self.sharded_params: dict[nn.Parameter, ShardedParam] = {sp.param: sp for unit in self.units for sp in unit.params}
         self.schedule = ReduceSchedule([], collectives)  # its launch order is set by install_hooks

@@ -93,6 +93,44 @@ def build_units(
     return units
 
 
+# [Note: units too small to pay their latency]
+# Every stage-3 unit costs three collectives per step (its all-gather in forward, again in
+# backward, its gradients' reduce-scatter), and each collective has a fixed latency. Below about
+# these many elements gathered, that latency is most of a collective's time: on gloo, measured
+# with benchmarks/comm.py on this project's CPU machine (about 0.6 ms whatever the size up to 16K
+# elements; a 64K-element gather costs about twice that); on NCCL, from its published figures
+# (tens of microseconds against hundreds of GB/s), not measured here. DeepSpeed's stage 3 shows
+# what many small gathers cost (DeepSpeed issues #5047, #3901), hence the warning below rather
+# than silence; the defaults (min_unit_numel=1M, prefetch one unit ahead) keep units above both.
+LATENCY_BOUND_NUMEL = {"gloo": 65_536, "nccl": 1_048_576}
+SMALL_UNITS_MIN_COUNT = 4  # a model of a few small units is small: its collectives are few anyway
+
+
+class SmallUnitsWarning(UserWarning):
+    """Stage-3 units so small that the latency of their collectives dominates (see [Note: units
+    too small to pay their latency])."""
+
+
+def small_units_message(units: Sequence[ShardedUnit], backend: str, config: ZeroConfig) -> str | None:
+    """Why the units are latency-bound and what to change, or None when they are not (see [Note:
+    units too small to pay their latency])."""
+    bound = next((numel for name, numel in LATENCY_BOUND_NUMEL.items() if name in backend), None)
+    gathered = [(unit.shard_numel * unit.world_size, unit.name) for unit in units if not unit.persistent]
+    small = sorted(entry for entry in gathered if bound is not None and entry[0] < bound)
+    if len(small) < SMALL_UNITS_MIN_COUNT or 2 * len(small) <= len(gathered):
+        return None
+    chosen = (f"unit_modules={config.unit_modules!r} makes a unit of every such module: name a larger class"
+              if config.unit_modules else
+              f"raise min_unit_numel (now {config.min_unit_numel:,}) so that small modules join their parent's unit")
+    return (
+        f"{len(small)} of the {len(gathered)} ZeRO-3 units gather fewer than {bound:,} elements each (the smallest:"
+        f" {small[0][1]!r}, {small[0][0]:,} elements). Each unit costs three collectives per step (an all-gather in"
+        f" forward and in backward, a reduce-scatter of its gradients), and at this size a collective's time on"
+        f" {backend} is mostly its fixed latency: {3 * len(small)} such collectives per step. Gather larger units:"
+        f" {chosen}, or keep small parameters whole with param_persistence_threshold."
+    )
+
+
 def replace_meta_params(module: nn.Module, units: Sequence[ShardedUnit]) -> bool:
     """Meta parameters cannot take real data through ``.data``; each is replaced (in every
     module that registers it, so ties survive) by a parameter viewing its unit's full buffer.

@@ -1,0 +1,182 @@
+"""The overlapped step of stages 1/2 ([Note: overlapped step] in zero/optimizer.py) on 2 gloo ranks.
+
+When every master is stepped by a fused kernel and nothing needs the whole gradient first, each
+bucket steps and starts its all-gather as soon as its reduction lands. It must be bit-identical
+to the plain step (``ZeroConfig(overlap_step=False)``): parameters, masters and optimizer state,
+over several buckets, two param groups, accumulation, a parameter without a gradient and bf16
+parameters. Through the Trainer it runs only when nothing between the closure and the step reads
+the gradients: a callback's ``on_before_optimizer_step`` or clipping turn it off, and then the
+hook sees every reduction landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from harness import run_on_ranks
+from lightning_zero import Collectives, CPUOffloadPolicy, ZeroConfig, ZeroStrategy
+from lightning_zero.zero.engine import make_engine
+from lightning_zero.zero.flat import FlatLayout
+from lightning_zero.zero.optimizer import SyncState
+from models import TinyGPT, fit, params_of
+
+WORLD = 2
+STEPS = 3
+# name: ZeroConfig keywords; every one has all of its masters stepped by a fused kernel.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "zero1_offload": {"stage": 1, "offload_optimizer": CPUOffloadPolicy()},
+    "zero2_offload": {"stage": 2, "offload_optimizer": CPUOffloadPolicy()},
+    "zero2_fused_cpu": {"stage": 2, "fused_adam": "cpu"},
+    "zero2_half_offload": {"stage": 2, "fused_adam": "cpu", "offload_optimizer": CPUOffloadPolicy(ratio=0.5)},
+}
+
+
+@contextmanager
+def counting_landings() -> Iterator[list[int]]:
+    """Counts the overlapped steps (FlatLayout.land_step_publish calls) within the block."""
+    calls: list[int] = []
+    original = FlatLayout.land_step_publish
+
+    def counted(self: FlatLayout, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        original(self, *args, **kwargs)
+
+    FlatLayout.land_step_publish = counted  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        FlatLayout.land_step_publish = original  # type: ignore[method-assign]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 3))
+        self.unused_on_rank_1 = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.body(x)
+        return out + self.unused_on_rank_1(x) if dist.get_rank() == 0 else out
+
+
+def _engine_run(keywords: dict[str, Any], overlap: bool, dtype: torch.dtype) -> dict[str, Any]:
+    model = _Net()
+    config = ZeroConfig(reduce_bucket_size=500, overlap_step=overlap, **keywords)
+    param_dtype = None if dtype == torch.float32 else dtype
+    engine = make_engine(model, Collectives(), config, param_dtype, torch.device("cpu"))
+    params = list(model.parameters())
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(
+        [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}], lr=0.05))
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    with counting_landings() as landings:
+        for _ in range(STEPS):
+            with optimizer.no_sync():  # accumulation: the first micro-step reduces nothing
+                model(torch.randn(4, 6, generator=generator).to(dtype)).float().pow(2).mean().backward()
+            model(torch.randn(4, 6, generator=generator).to(dtype)).float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    out = {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "masters": [piece.master.detach().clone() for piece in optimizer.param_pieces()],
+        "state": [{k: v.clone() for k, v in state.items()} for state in optimizer.state.values()],
+        "landings": len(landings),
+        "buckets": len(list(optimizer.layout.buckets)),
+    }
+    engine.remove_hooks()
+    return out
+
+
+class _ReadsGradients(pl.Callback):
+    """A callback reading the gradients before the step: every reduction must have landed."""
+
+    def __init__(self) -> None:
+        self.synced: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.synced += [opt.sync_state is SyncState.SYNCED for opt in trainer.strategy.zero_optimizers]
+
+
+def _trainer_run(overlap: bool, callback: pl.Callback | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
+    pl.seed_everything(0)
+    module = TinyGPT(scheduler=True)
+    strategy = ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=700, overlap_step=overlap,
+                                              offload_optimizer=CPUOffloadPolicy()))
+    with counting_landings() as landings:
+        fit(module, strategy, WORLD, steps=6, callbacks=[callback] if callback else [], **trainer_kwargs)
+    return {"params": params_of(module), "landings": len(landings)}
+
+
+def _cases() -> dict[str, Any]:
+    engine = {}
+    for name, keywords in CONFIGS.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            for overlap in (True, False):
+                engine[(name, dtype, overlap)] = _engine_run(keywords, overlap, dtype)
+    reader = _ReadsGradients()
+    trainer = {
+        "overlapped": _trainer_run(True),
+        "plain": _trainer_run(False),
+        "callback": _trainer_run(True, reader),
+        "clipped": _trainer_run(True, gradient_clip_val=0.5),
+    }
+    return {"engine": engine, "trainer": trainer, "reader_synced": reader.synced}
+
+
+_RUNS: list[dict[str, Any]] = []
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    if not _RUNS:
+        _RUNS.extend(run_on_ranks(_cases, WORLD))
+    return _RUNS
+
+
+def _assert_identical(a: Any, b: Any, what: str) -> None:
+    if isinstance(a, Tensor):
+        assert torch.equal(a, b), what
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for key in a:
+            _assert_identical(a[key], b[key], f"{what} {key}")
+    else:
+        assert len(a) == len(b), what
+        for index, (x, y) in enumerate(zip(a, b)):
+            _assert_identical(x, y, f"{what}[{index}]")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_overlapped_step_is_bit_identical_to_the_plain_one(runs: list[dict[str, Any]], name: str,
+                                                                dtype: torch.dtype) -> None:
+    for rank, run in enumerate(runs):
+        on, off = run["engine"][(name, dtype, True)], run["engine"][(name, dtype, False)]
+        assert on["buckets"] > 2  # several buckets land one after the other
+        assert on["landings"] == STEPS and off["landings"] == 0
+        for key in ("params", "masters", "state"):
+            _assert_identical(on[key], off[key], f"rank {rank} {name} {key}")
+
+
+def test_through_the_trainer_it_runs_only_when_nothing_reads_the_gradients_first(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        trainer = run["trainer"]
+        assert trainer["overlapped"]["landings"] == 6 and trainer["plain"]["landings"] == 0
+        _assert_identical(trainer["overlapped"]["params"], trainer["plain"]["params"], "overlapped vs plain")
+        # A callback's on_before_optimizer_step, or clipping: every reduction lands before it.
+        assert trainer["callback"]["landings"] == 0 and trainer["clipped"]["landings"] == 0
+        assert run["reader_synced"] and all(run["reader_synced"])
+        _assert_identical(trainer["callback"]["params"], trainer["plain"]["params"], "with a callback")
+
+
+def test_overlap_step_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="overlap_step='yes' must be of type bool"):
+        ZeroConfig(overlap_step="yes")  # type: ignore[arg-type]
