@@ -29,6 +29,9 @@ class StagingBuffers:
     def __init__(self) -> None:
         self._views: dict[Tensor, Tensor] = {}  # keyed by the holder tensor itself (identity)
         self._written: set[Tensor] = set()
+        # Uploads of pinned staging to a CUDA device still running (non_blocking): the next step
+        # must not write the staging before they read it.
+        self._uploads: list[torch.cuda.Event] = []
 
     def add(self, holder: Tensor, view: Tensor) -> None:
         self._views[holder] = view
@@ -37,7 +40,17 @@ class StagingBuffers:
         return self._views.get(holder)
 
     def begin_step(self) -> None:
+        for upload in self._uploads:
+            upload.synchronize()
+        self._uploads = []
         self._written = set()
+
+    def uploading(self, device: torch.device) -> None:
+        """Copies from the staging to ``device`` were queued without waiting (non_blocking): the
+        next :meth:`begin_step` waits for them, before the CPU step overwrites what they read."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        self._uploads.append(event)
 
     def mark_written(self, holder: Tensor) -> None:
         self._written.add(holder)

@@ -253,7 +253,10 @@ class FlatParamBuffer:
             if source is bucket.staging and source.device == bucket.param_data.device:
                 chunk = source
             else:
-                chunk = source.to(device=bucket.param_data.device, dtype=self.dtype, copy=True)
+                # Pinned staging in the parameters' dtype crosses without the host waiting; the
+                # gather runs behind the copy on the same stream (the caller records the upload).
+                chunk = source.to(device=bucket.param_data.device, dtype=self.dtype, copy=True,
+                                  non_blocking=source is bucket.staging and source.is_pinned())
             return collectives.all_gather(bucket.param_data, chunk)
 
 
@@ -444,6 +447,7 @@ class FlatLayout:
                 self.collectives, staged=lambda bucket: self.staging.wrote_all(p.holder for p in bucket.pieces)
             )
         ]
+        self._note_uploads()
         with torch.profiler.record_function("zero::wait_all_gather"):
             for handle in handles:
                 handle.wait()
@@ -474,9 +478,16 @@ class FlatLayout:
                 step_bucket([piece.holder for piece in bucket.pieces])
                 staged = self.staging.wrote_all(piece.holder for piece in bucket.pieces)
                 handles.append(buffer.start_bucket_gather(bucket, self.collectives, staged))
+            self._note_uploads()
             with torch.profiler.record_function("zero::wait_all_gather"):
                 for handle in handles:
                     handle.wait()
+
+    def _note_uploads(self) -> None:
+        """Pinned staging was uploaded to a CUDA device without waiting: the next step waits first."""
+        if self.comm_device.type == "cuda" and any(
+                bucket.staging is not None and bucket.staging.is_pinned() for bucket in self.buckets):
+            self.staging.uploading(self.comm_device)
 
     def publish_masters(self) -> None:
         """After the masters were written (a load): the parameters take their values (a collective)."""

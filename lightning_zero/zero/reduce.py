@@ -42,6 +42,26 @@ from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
 from lightning_zero.zero.layout import rank_chunk
 
 
+# [Note: landing on the host]
+# Under offload from a CUDA device, a reduced chunk goes to its CPU master gradient through a
+# pinned host buffer of its own (chunk-sized, reused every step): once the reduce-scatter is
+# waited for (the current stream waits on NCCL, the host does not), a copy stream waits for the
+# current one and copies the chunk with non_blocking, and records an event; the CPU add into the
+# master gradient synchronizes on that event alone. ReduceSchedule.land queues every such copy
+# before it lands the first chunk, so the copies of later chunks run while the CPU steps the
+# earlier ones ([Note: overlapped step] in optimizer.py). The chunk's device memory is marked as
+# used by the copy stream, so the allocator does not hand it out before the copy ran. On the CPU
+# (and for masters on the device) a chunk lands as before, by a plain copy.
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One device-to-host copy stream per device, made on first use."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
 class GradState(enum.Enum):
     """Lifecycle of a reduction's local gradient between two reductions."""
 
@@ -94,6 +114,10 @@ class Reduction:
         self.launched = False  # its reduction of this backward went out
         self._output: Tensor | None = None
         self._handle: Handle | None = None
+        # Offload from a CUDA device (see [Note: landing on the host]): the pinned host copy of the
+        # reduced chunk, reused every step, and the event its copy recorded while in flight.
+        self._landing: Tensor | None = None
+        self._landed: torch.cuda.Event | None = None
 
     @property
     def numel(self) -> int:
@@ -127,17 +151,50 @@ class Reduction:
         self.arrived = 0
         self.launched = True
 
+    @property
+    def lands_asynchronously(self) -> bool:
+        """Whether the reduced chunk crosses from a CUDA device to host memory (offload): its copy
+        is then queued on a copy stream (see [Note: landing on the host])."""
+        return self.device.type == "cuda" and self.master_grad.device.type == "cpu"
+
+    def start_landing(self) -> None:
+        """Orders the reduced chunk's way to the master gradient: waits for the reduce-scatter (on
+        NCCL the current stream waits, not the host) and, from a CUDA device to the host, queues
+        its copy into pinned memory behind it (see [Note: landing on the host])."""
+        if self.state is not GradState.REDUCING or self._handle is None:
+            return
+        assert self._output is not None
+        with torch.profiler.record_function(f"{self.label}::wait_reduce_scatter"):
+            self._handle.wait()
+        self._handle = None
+        if not self.lands_asynchronously:
+            return
+        if self._landing is None:
+            self._landing = torch.empty(self.chunk_numel, dtype=self.dtype, pin_memory=True)
+        stream = _copy_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._landing.copy_(self._output, non_blocking=True)
+            self._landed = torch.cuda.Event()
+            self._landed.record(stream)
+        self._output.record_stream(stream)  # its memory is not reused before the copy ran
+
     def finish(self) -> None:
         """Waits for the reduce-scatter and adds this rank's chunk into the master gradient."""
         if self.state is not GradState.REDUCING:
             return
-        assert self._handle is not None and self._output is not None
-        with torch.profiler.record_function(f"{self.label}::wait_reduce_scatter"):
-            self._handle.wait()
-        # Upcasts a bf16/fp16 reduction to fp32; under offload this is the copy to the CPU.
-        self.master_grad.add_(self._output.to(self.master_grad.device))
+        self.start_landing()
+        assert self._output is not None
+        if self._landed is not None:
+            assert self._landing is not None
+            with torch.profiler.record_function(f"{self.label}::wait_landing"):
+                self._landed.synchronize()
+            self.master_grad.add_(self._landing)  # upcasts a bf16/fp16 reduction to fp32
+            self._landed = None
+        else:
+            # Upcasts a bf16/fp16 reduction to fp32; under offload this is the copy to the CPU.
+            self.master_grad.add_(self._output.to(self.master_grad.device))
         self._output = None
-        self._handle = None
         self._release()
 
     def poll(self) -> None:
@@ -150,7 +207,10 @@ class Reduction:
         """Drops the local gradient, waiting for any collective still using the buffer."""
         if self._handle is not None:
             self._handle.wait()
+        if self._landed is not None:
+            self._landed.synchronize()  # the pinned buffer is written no more
         self._handle = None
+        self._landed = None
         self._output = None
         self.arrived = 0
         self.ready = False
@@ -318,6 +378,12 @@ class ReduceSchedule:
         once its chunk is in the master gradient, while the later ones are still in flight (see
         [Note: overlapped step] in optimizer.py). A reduction left unlanded (the caller stopped)
         lands when its buffer is next used or dropped."""
+        # Copies to the host are queued for every reduction first: they run on the copy stream
+        # while the caller works on the chunks that landed. Elsewhere (gloo) ordering a landing
+        # waits on the host, so each is waited for only when its turn comes.
+        for reduction in self.order:
+            if reduction.lands_asynchronously:
+                reduction.start_landing()
         for reduction in self.order:
             reduction.finish()
             yield reduction
