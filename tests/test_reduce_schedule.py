@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero import CPUOffloadPolicy, ZeroConfig, ZeroOptimizer
-from lightning_zero.zero.layout import rank_chunk
+from lightning_zero.zero.layout import Range, rank_chunk
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.reduce import GradState, ReduceSchedule, Reduction
 from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
@@ -858,8 +858,9 @@ def test_offload_polls_finished_bucket_reductions_during_backward() -> None:
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stage_1_keeps_the_bucket_gradients_and_stage_2_frees_them(stage: int) -> None:
-    """After the reduction a stage-1 bucket keeps its (zeroed) local gradient; stage 2 frees it,
-    and zero_grad leaves the same state."""
+    """After the reduction a stage-1 bucket keeps its local gradient buffer, cleared (no part
+    written: each part is overwritten by its next gradient, or zeroed if none comes, see
+    Reduction.set_parts); stage 2 frees it, and zero_grad leaves the same state."""
     sim = _make_rank(stage, 0)
     buckets = list(sim.optimizer.buckets)  # type: ignore[attr-defined]
     sim.backward(0)
@@ -869,14 +870,14 @@ def test_stage_1_keeps_the_bucket_gradients_and_stage_2_frees_them(stage: int) -
         assert bucket.reduction.keep_buffer is (stage == 1)
         assert bucket.state is GradState.CLEAN
         if stage == 1:
-            assert bucket.grad_data is not None and not bucket.grad_data.any()
+            assert bucket.grad_data is not None and bucket.reduction.is_cleared
         else:
             assert bucket.grad_data is None
     sim.backward(0, 1)
     sim.optimizer.zero_grad()
     for bucket, before in zip(buckets, kept):
         if stage == 1:
-            assert bucket.grad_data is before and not bucket.grad_data.any()
+            assert bucket.grad_data is before and bucket.reduction.is_cleared
         else:
             assert bucket.grad_data is None
         assert not bucket.master_grad.any()
@@ -997,3 +998,30 @@ def test_the_flat_engine_finishes_every_optimizer_s_reductions() -> None:
     assert len(fake.of(RS)) == len(buckets) and all(b.master_grad.abs().sum() > 0 for b in buckets)
     engine.finish_grad_sync()
     assert len(fake.of(RS)) == len(buckets)
+
+
+@pytest.mark.parametrize("keep_buffer", [True, False])
+def test_parts_are_written_first_and_what_no_gradient_reached_is_sent_as_zeros(keep_buffer: bool) -> None:
+    """With parts, a part's first gradient is written rather than added to a zero-filled buffer,
+    a second one adds; at the start of the reduction the parts no gradient reached and the
+    padding are zeros, also in a kept (stage-1) buffer still holding the last round's values."""
+    fake = FakeCollectives()
+    reduction = Reduction("P", 4, fake.world_size, fake.rank, torch.float32, CPU, keep_buffer=keep_buffer,
+                          expected_grads=2)
+    reduction.master_grad = torch.zeros(4)
+    reduction.set_parts([Range(3, 7), Range(0, 3)])  # 7 of 8 elements: one of padding
+    reduction.add_to_part(0, torch.full((4,), 2.0))
+    reduction.add_to_part(0, torch.full((4,), 4.0))
+    reduction.add_to_part(1, torch.full((3,), 8.0))
+    reduction.start(fake)
+    reduction.finish()
+    assert torch.equal(fake.of(RS)[-1].sent, torch.tensor([4.0, 4, 4, 3, 3, 3, 3, 0]))  # averaged over 2 ranks
+    assert reduction.is_cleared and reduction.state is GradState.CLEAN
+    assert (reduction.grad is not None) is keep_buffer
+    reduction.add_to_part(1, torch.full((3,), 6.0))  # part 0 gets nothing this round
+    reduction.start(fake)
+    reduction.finish()
+    assert torch.equal(fake.of(RS)[-1].sent, torch.tensor([3.0, 3, 3, 0, 0, 0, 0, 0]))
+    # local_grad() (the generic path) hands out a buffer whose unwritten parts are zeros.
+    reduction.add_to_part(0, torch.ones(4))
+    assert torch.equal(reduction.local_grad(), torch.tensor([0.0, 0, 0, 1, 1, 1, 1, 0]))

@@ -100,6 +100,7 @@ class Bucket:
         self.master = torch.empty(0)
         self.master_grad = torch.empty(0)
         self.pieces: list[ParamPiece] = []  # pieces[i]: slots[i]'s part of the master, on this rank
+        self._part_of: dict[int, int] = {}  # a slot's index -> its part of the reduction (set_master)
         # Under offload with bf16/fp16 parameters: the CPU step writes the rounded chunk here
         # (pinned), and it is copied to the device from here.
         self.staging: Tensor | None = None
@@ -135,6 +136,8 @@ class Bucket:
         self.master, self.master_grad = master, master_grad
         self.reduction.master_grad = master_grad
         self.reduction.expected_grads = len(self.slots)
+        self.reduction.set_parts([slot.bucket_range for slot in self.slots])
+        self._part_of = {slot.index: number for number, slot in enumerate(self.slots)}
         chunk = self.shard_numel
         self.pieces = []
         for number, slot in enumerate(self.slots):
@@ -154,7 +157,7 @@ class Bucket:
         return ShardTile(self.shard_numel, tuple(self.pieces))
 
     def accumulate(self, slot: ParamSlot, grad: Tensor) -> None:
-        slot.bucket_range.slice(self.reduction.local_grad()).add_(grad.reshape(-1))
+        self.reduction.add_to_part(self._part_of[slot.index], grad.reshape(-1))
 
 
 class FlatParamBuffer:

@@ -176,7 +176,9 @@ class ShardedOptimizer(Optimizer):
         # space of torch's optimizer state_dict format.
         self._group_params: list[list[nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
         self.comm_device = layout.comm_device
-        self._had_grad = torch.zeros(layout.num_trainable, dtype=torch.int32)
+        # Per trainable parameter: got a gradient since zero_grad. A bytearray: set from every
+        # gradient hook, where a tensor element write costs ten times more.
+        self._had_grad = bytearray(layout.num_trainable)
         layout.on_grad = self._note_grad
         # Optimizer.__init__ sets up the hook registries torch expects on every optimizer; the
         # groups and state it builds are then replaced by the wrapped optimizer's own.
@@ -264,8 +266,8 @@ class ShardedOptimizer(Optimizer):
         parameter without a gradient on any rank is skipped by the step, as torch.optim skips it
         (see [Note: parameters without a gradient]).
         """
-        flags = torch.zeros(len(self._had_grad) + 1, dtype=torch.int32, device=self.comm_device)
-        flags[:-1] = self._had_grad.to(self.comm_device)
+        local = torch.frombuffer(self._had_grad + b"\0", dtype=torch.uint8).to(torch.int32)
+        flags = local.to(self.comm_device)
         if self.loss_scaler is not None:
             finite = all(bool(torch.isfinite(grad).all()) for grad in self.layout.master_grads())
             flags[-1] = 0 if finite else 1
@@ -444,7 +446,7 @@ class ShardedOptimizer(Optimizer):
             self.layout.drop_local_grads()
             for grad in self.layout.master_grads():
                 grad.zero_()
-        self._had_grad.zero_()
+        self._had_grad = bytearray(len(self._had_grad))
         self._grad_coefficient = None
 
     # ------------------------------------------------------------------ clipping

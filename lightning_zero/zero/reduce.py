@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
-from lightning_zero.zero.layout import rank_chunk
+from lightning_zero.zero.layout import Range, rank_chunk
 
 
 # [Note: landing on the host]
@@ -114,6 +114,10 @@ class Reduction:
         self.launched = False  # its reduction of this backward went out
         self._output: Tensor | None = None
         self._handle: Handle | None = None
+        # With parts (see set_parts): which parts hold a gradient since the buffer was last cleared;
+        # the others, and whatever lies past the last part (padding), hold stale values or none.
+        self._parts: list[Range] = []
+        self._written: list[bool] = []
         # Offload from a CUDA device (see [Note: landing on the host]): the pinned host copy of the
         # reduced chunk, reused every step, and the event its copy recorded while in flight.
         self._landing: Tensor | None = None
@@ -129,8 +133,54 @@ class Reduction:
             self.finish()  # the previous micro-step's reduction lands before new gradients
         if self.grad is None:
             self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            self._written = [True] * len(self._parts)
+        self._clear_unwritten()
         self.state = GradState.ACCUMULATING
         return self.grad
+
+    @property
+    def is_cleared(self) -> bool:
+        """Whether the local gradient holds nothing a reduction would send: no buffer, a zero one,
+        or (with parts) one no part of which was written since it was cleared."""
+        if self.grad is None:
+            return True
+        if self._parts:
+            return not any(self._written) and not self.grad[max(part.end for part in self._parts) :].any()
+        return not bool(self.grad.any())
+
+    def set_parts(self, parts: Sequence[Range]) -> None:
+        """The disjoint ranges of the local gradient that gradients arrive into (one per
+        parameter, in any order). With parts, :meth:`add_to_part` writes a part's first gradient
+        since the buffer was cleared instead of adding it to zeros: the buffer is then neither
+        zero-filled when allocated nor cleared after each reduction, and only what no gradient
+        reached (and the padding) is zeroed, when the reduction starts."""
+        self._parts = list(parts)
+        self._written = [False] * len(self._parts)
+
+    def add_to_part(self, part: int, grad: Tensor) -> None:
+        """Adds ``grad`` (flat, the part's size) into part ``part`` of the local gradient."""
+        if self.state is GradState.REDUCING:
+            self.finish()  # the previous micro-step's reduction lands before new gradients
+        if self.grad is None:
+            self.grad = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._written = [False] * len(self._parts)
+        view = self._parts[part].slice(self.grad)
+        if self._written[part]:
+            view.add_(grad)
+        else:
+            view.copy_(grad)  # also the cast to the reduction's dtype, as add_ did
+            self._written[part] = True
+        self.state = GradState.ACCUMULATING
+
+    def _clear_unwritten(self) -> None:
+        """Zeroes the parts no gradient reached since the buffer was cleared, and the padding."""
+        if self.grad is None or not self._parts:
+            return
+        for part, written in zip(self._parts, self._written):
+            if not written:
+                part.slice(self.grad).zero_()
+        self.grad[max(part.end for part in self._parts) :].zero_()
+        self._written = [True] * len(self._parts)
 
     def owned_chunk(self, flat: Tensor) -> Tensor:
         """This rank's chunk of a rank-major tensor of this reduction's size."""
@@ -142,6 +192,7 @@ class Reduction:
             raise RuntimeError(f"cannot reduce {self.name} while its previous reduction is in flight")
         if self.grad is None:
             self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self._clear_unwritten()
         # Averaging before the sum keeps fp16/bf16 sums in range, as DDP does.
         self.grad.div_(self.world_size)
         self._output = torch.empty(self.chunk_numel, dtype=self.dtype, device=self.device)
@@ -217,7 +268,9 @@ class Reduction:
         self._release()
 
     def _release(self) -> None:
-        if self.keep_buffer and self.grad is not None:
+        if self.keep_buffer and self.grad is not None and self._parts:
+            self._written = [False] * len(self._parts)  # stale until written or cleared (set_parts)
+        elif self.keep_buffer and self.grad is not None:
             self.grad.zero_()
         else:
             self.grad = None
