@@ -50,6 +50,8 @@ machine lands on every configuration alike. Measured per configuration:
   configuration, DeepSpeed's ``deepspeed.comm`` and FSDP2 included; nested calls count once). DDP
   reduces in C++, past any Python wrapper, so its rows register ``allreduce_hook`` as the DDP
   communication hook: the same all-reduce, issued from Python where the wrapper sees it.
+- collectives/step: how many of those ``torch.distributed`` calls a measured step makes (the
+  largest rank's mean): latency is paid per call, which is what many small stage-3 gathers cost.
 
 On CPU, "offload" moves nothing (every tensor already lives in host memory): its rows price the
 offload code paths (CPU Adam, staging copies), not a memory saving. With ``--device cuda`` (the
@@ -166,6 +168,8 @@ class PeerRankResult(step_time.RankResult):
     """Per measured step: bytes written to sockets (empty where not measured)."""
     payload_bytes: list[int] = field(default_factory=list)
     """Per measured step: bytes handed to torch.distributed collectives."""
+    collective_calls: list[int] = field(default_factory=list)
+    """Per measured step: torch.distributed collectives called."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,7 @@ class PeerResult:
     """(params, grads, optimizer states) of the rank with the most state."""
     wire_bytes_per_step: float | None = None
     payload_bytes_per_step: float | None = None
+    calls_per_step: float | None = None
     num_params: int = 0
     model_source: str = ""
     error: str | None = None
@@ -225,6 +230,7 @@ class _PayloadCounter:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.calls = 0  # collectives issued (a call inside another one counts once, as its bytes do)
         self._local = threading.local()
 
     def install(self) -> None:
@@ -247,6 +253,7 @@ class _PayloadCounter:
             depth = getattr(self._local, "depth", 0)
             if depth == 0:
                 self.bytes += _tensor_bytes(args[position] if len(args) > position else kwargs.get(keyword))
+                self.calls += 1
             self._local.depth = depth + 1
             try:
                 return original(*args, **kwargs)
@@ -422,6 +429,7 @@ def _train_and_measure(spec: PeerSpec, rank: int) -> PeerRankResult:
         step_times_s=probe.step_times_s,
         wire_bytes=probe.wire_bytes if spec.device == "cpu" else [],
         payload_bytes=probe.payload_bytes,
+        collective_calls=probe.collective_calls,
         peak_rss_bytes=peak_rss,
         params=params,
         grads=grads,
@@ -566,7 +574,8 @@ def _probe_class(family: str) -> type:
             self.payload = payload
             self.wire_bytes: list[int] = []
             self.payload_bytes: list[int] = []
-            self._at_start: tuple[int, int] = (0, 0)
+            self.collective_calls: list[int] = []
+            self._at_start: tuple[int, int, int] = (0, 0, 0)
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -579,7 +588,7 @@ def _probe_class(family: str) -> type:
                 trainer.strategy.model.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self._at_start = (_wire_bytes() or 0, self.payload.bytes)
+            self._at_start = (_wire_bytes() or 0, self.payload.bytes, self.payload.calls)
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -587,6 +596,7 @@ def _probe_class(family: str) -> type:
             if self._seen_batches > self.warmup:
                 self.wire_bytes.append((_wire_bytes() or 0) - self._at_start[0])
                 self.payload_bytes.append(self.payload.bytes - self._at_start[1])
+                self.collective_calls.append(self.payload.calls - self._at_start[2])
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             if self._seen_batches != self.total_steps - 1:
@@ -684,6 +694,7 @@ def _reduce(config: str, results: Sequence[PeerRankResult]) -> PeerResult:
     most_state = max(results, key=lambda r: r.params + r.grads + r.optimizer_states)
     wire = [m for m in (_mean(r.wire_bytes) for r in results) if m is not None]
     payload = [m for m in (_mean(r.payload_bytes) for r in results) if m is not None]
+    calls = [m for m in (_mean(r.collective_calls) for r in results) if m is not None]
     return PeerResult(
         config=config,
         median_step_s=statistics.median(per_step) if per_step else None,
@@ -691,6 +702,7 @@ def _reduce(config: str, results: Sequence[PeerRankResult]) -> PeerResult:
         state_bytes=(most_state.params, most_state.grads, most_state.optimizer_states),
         wire_bytes_per_step=max(wire) if wire else None,
         payload_bytes_per_step=max(payload) if payload else None,
+        calls_per_step=max(calls) if calls else None,
         num_params=results[0].num_params,
         model_source=results[0].model_source,
     )
@@ -716,6 +728,7 @@ def _over_rounds(config: str, rounds: Sequence[PeerResult]) -> PeerResult:
         state_bytes=states[(len(states) - 1) // 2] if states else None,
         wire_bytes_per_step=_median_or_none([r.wire_bytes_per_step for r in ran]),
         payload_bytes_per_step=_median_or_none([r.payload_bytes_per_step for r in ran]),
+        calls_per_step=_median_or_none([r.calls_per_step for r in ran]),
         num_params=ran[0].num_params,
         model_source=ran[0].model_source,
     )
@@ -755,15 +768,15 @@ def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, c
         f" {spec.warmup} warm-up, median over {rounds} interleaved round(s); ratios (x) are to ddp in this run.",
         "",
         "| config | step ms | x | x floor | x DeepSpeed | peak RSS MiB | x | state MiB (params/grads/optim) | x"
-        " | wire MiB/step | x | payload MiB/step | x |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        " | wire MiB/step | x | payload MiB/step | x | collectives/step |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     by_config = {r.config: r for r in results if r.error is None}
     floor = by_config.get(FLOOR)
     for r in results:
         label = f"{r.config} ({spec.reduce_dtype} reduce)" if spec.reduce_dtype and r.config in OURS else r.config
         if r.error is not None:
-            lines.append(f"| {label} | failed: {r.error.replace('|', '/')} |" + " |" * 11)
+            lines.append(f"| {label} | failed: {r.error.replace('|', '/')} |" + " |" * 12)
             continue
         p, g, o = r.state_bytes or (None, None, None)
         b = baseline
@@ -775,7 +788,8 @@ def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, c
             f" | {_mib(r.peak_rss_bytes)} | {_x(r.peak_rss_bytes, b and b.peak_rss_bytes)}"
             f" | {_mib(r.state_total)} ({_mib(p)}/{_mib(g)}/{_mib(o)}) | {_x(r.state_total, b and b.state_total)}"
             f" | {_mib(r.wire_bytes_per_step)} | {_x(r.wire_bytes_per_step, b and b.wire_bytes_per_step)}"
-            f" | {_mib(r.payload_bytes_per_step)} | {_x(r.payload_bytes_per_step, b and b.payload_bytes_per_step)} |"
+            f" | {_mib(r.payload_bytes_per_step)} | {_x(r.payload_bytes_per_step, b and b.payload_bytes_per_step)}"
+            f" | {'—' if r.calls_per_step is None else f'{r.calls_per_step:.0f}'} |"
         )
     lines += [
         "",
@@ -784,7 +798,8 @@ def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, c
         "x floor: step time over the floor's (each rank training alone, no communication, all at once);"
         " x DeepSpeed: ours over Lightning's DeepSpeedStrategy at the same stage.",
         "step: the slowest rank's; RSS, state and comm: the largest rank's. state: held just before the last"
-        " optimizer step. wire: bytes written to sockets; payload: bytes handed to torch.distributed collectives.",
+        " optimizer step. wire: bytes written to sockets; payload: bytes handed to torch.distributed collectives;"
+        " collectives/step: calls of them (our gloo all-gathers count one broadcast per rank).",
         f"`{command}` ({wall_s:.0f} s, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_machine()})",
     ]
     return "\n".join(lines)
