@@ -337,9 +337,17 @@ class ShardedOptimizer(Optimizer):
         if not getattr(self.layout, "can_land_by_bucket", False):
             return False
         trained = self.layout.trained_masters(None)
-        fused = {master for _, master in fused_cpu_masters(self.optimizer, self.config.offload_optimizer, trained)}
-        fused |= {m for _, masters in device_adam_masters(self.optimizer, self.config, trained, fused) for m in masters}
+        fused_cpu, fused_device = self._fused_masters(trained)
+        fused = {master for _, master in fused_cpu} | {m for _, masters in fused_device for m in masters}
         return all(master in fused for masters in trained for master in masters)
+
+    def _fused_masters(
+        self, trained: list[list[Tensor]]
+    ) -> tuple[list[tuple[dict[str, Any], Tensor]], list[tuple[dict[str, Any], list[Tensor]]]]:
+        """Of ``trained`` (per param group): the (group, master) pairs the C++ CPU Adam steps, and
+        per group the masters the fused device kernel steps (the rest go through the optimizer)."""
+        fused_cpu = fused_cpu_masters(self.optimizer, self.config.offload_optimizer, trained)
+        return fused_cpu, device_adam_masters(self.optimizer, self.config, trained, {m for _, m in fused_cpu})
 
     def _overlapped_step(self) -> None:
         """The step of [Note: overlapped step]."""
@@ -351,8 +359,7 @@ class ShardedOptimizer(Optimizer):
             layout.finish_grad_sync()  # lands what was launched; nothing to step
             return
         trained = layout.trained_masters(had_grad)
-        fused_cpu = fused_cpu_masters(self.optimizer, self.config.offload_optimizer, trained)
-        fused_device = device_adam_masters(self.optimizer, self.config, trained, {m for _, m in fused_cpu})
+        fused_cpu, fused_device = self._fused_masters(trained)
         if layout.staging is not None:
             layout.staging.begin_step()
 
@@ -376,8 +383,7 @@ class ShardedOptimizer(Optimizer):
         one-pass C++ CPU step (see [Note: offloaded step] in offload/step.py), device-resident ones
         the fused multi-tensor Adam (see [Note: fused device step] in device_step.py), every other
         master goes through the wrapped torch optimizer."""
-        fused_cpu = fused_cpu_masters(self.optimizer, self.config.offload_optimizer, trained)
-        fused_device = device_adam_masters(self.optimizer, self.config, trained, {m for _, m in fused_cpu})
+        fused_cpu, fused_device = self._fused_masters(trained)
         staging = self.layout.staging
         if staging is not None:
             staging.begin_step()

@@ -117,6 +117,7 @@ class Reduction:
         # With parts (see set_parts): which parts hold a gradient since the buffer was last cleared;
         # the others, and whatever lies past the last part (padding), hold stale values or none.
         self._parts: list[Range] = []
+        self._parts_end = 0  # where the last part ends: the padding follows
         self._written: list[bool] = []
         # Offload from a CUDA device (see [Note: landing on the host]): the pinned host copy of the
         # reduced chunk, reused every step, and the event its copy recorded while in flight.
@@ -145,7 +146,7 @@ class Reduction:
         if self.grad is None:
             return True
         if self._parts:
-            return not any(self._written) and not self.grad[max(part.end for part in self._parts) :].any()
+            return not any(self._written) and not self.grad[self._parts_end :].any()
         return not bool(self.grad.any())
 
     def set_parts(self, parts: Sequence[Range]) -> None:
@@ -155,6 +156,7 @@ class Reduction:
         zero-filled when allocated nor cleared after each reduction, and only what no gradient
         reached (and the padding) is zeroed, when the reduction starts."""
         self._parts = list(parts)
+        self._parts_end = max((part.end for part in self._parts), default=0)
         self._written = [False] * len(self._parts)
 
     def add_to_part(self, part: int, grad: Tensor) -> None:
@@ -179,7 +181,7 @@ class Reduction:
         for part, written in zip(self._parts, self._written):
             if not written:
                 part.slice(self.grad).zero_()
-        self.grad[max(part.end for part in self._parts) :].zero_()
+        self.grad[self._parts_end :].zero_()
         self._written = [True] * len(self._parts)
 
     def owned_chunk(self, flat: Tensor) -> Tensor:
