@@ -1,15 +1,16 @@
 """The forms of ZeRO's sharded collectives on this machine's backend: reduce-scatter against
-all-reduce plus a local copy, all-gather against one broadcast per rank (see [Note: collective
-forms] in lightning_zero/zero/comm.py), for the chunk sizes ZeRO's buckets and units use.
+all-reduce plus a local copy, all-gather against one broadcast per rank, and, between two ranks,
+both against one exchange (see [Note: collective forms] in lightning_zero/zero/comm.py), for the
+chunk sizes ZeRO's buckets and units use.
 
     python benchmarks/comm.py                         # gloo, 2 and 4 ranks, fp32 and bf16
     python benchmarks/comm.py --worlds 2 --dtypes fp32 --repeats 9
 
-Each rank runs every (size, form) pair ``--repeats`` times, the forms alternating so that load on
-the machine hits both alike, and reports the median time of the slowest rank. The table gives
-each form's median and the ratio plain / alternative (above 1: the alternative is faster), with
-the form :class:`~lightning_zero.zero.comm.CollectiveForms` picks for the backend: its fixed rules
-come from this benchmark. A measurement, not a test: nothing here asserts.
+Each rank runs every (size, form) pair ``--repeats`` times, the forms rotating so that load on
+the machine hits each alike, and reports the median time of the slowest rank. The table gives
+each form's median and the ratio plain / form (above 1: the form is faster), with the form
+:class:`~lightning_zero.zero.comm.CollectiveForms` picks for the backend: its fixed rules come from
+this benchmark. A measurement, not a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -58,8 +59,12 @@ def _worker(rank: int, world: int, port: int, dtypes: list[str], repeats: int, q
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    plain = Collectives(forms=CollectiveForms.native())
-    alternative = Collectives(forms=CollectiveForms(reduce_scatter_as_all_reduce_from=1, all_gather_as_broadcasts_from=1))
+    forms = {
+        "plain": Collectives(forms=CollectiveForms.native()),
+        "alt": Collectives(forms=CollectiveForms(reduce_scatter_as_all_reduce_from=1, all_gather_as_broadcasts_from=1)),
+    }
+    if world == 2:
+        forms["exchange"] = Collectives(forms=CollectiveForms(exchange_between_two_ranks=True))
     rows = []
     for name in dtypes:
         dtype = getattr(torch, DTYPES[name])
@@ -67,16 +72,16 @@ def _worker(rank: int, world: int, port: int, dtypes: list[str], repeats: int, q
             grad = torch.randn(world * chunk).to(dtype)
             output = torch.empty(chunk, dtype=dtype)
             gathered = torch.empty(world * chunk, dtype=dtype)
-            times: dict[str, list[float]] = {"rs": [], "rs_alt": [], "ag": [], "ag_alt": []}
+            times: dict[str, list[float]] = {f"{op}_{label}": [] for op in ("rs", "ag") for label in forms}
+            order = list(forms.items())
             for repeat in range(repeats + 1):  # the first round warms up
-                order = [("plain", plain), ("alt", alternative)]
-                for label, collectives in order if repeat % 2 else order[::-1]:
-                    suffix = "" if label == "plain" else "_alt"
+                shift = repeat % len(order)
+                for label, collectives in order[shift:] + order[:shift]:
                     rs = _time(lambda c=collectives: c.reduce_scatter(output, grad.clone()).wait())
                     ag = _time(lambda c=collectives: c.all_gather(gathered, output).wait())
                     if repeat:
-                        times["rs" + suffix].append(rs)
-                        times["ag" + suffix].append(ag)
+                        times[f"rs_{label}"].append(rs)
+                        times[f"ag_{label}"].append(ag)
             rows.append((name, chunk, {key: statistics.median(values) for key, values in times.items()}))
     if rank == 0:
         queue.put(rows)
@@ -109,16 +114,22 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_zero.zero.comm import CollectiveForms
 
     rule = CollectiveForms.for_backend("gloo")
-    print(f"gloo on {os.cpu_count()} cores, median of {args.repeats} (slowest rank); ratio = plain / alternative")
+    print(f"gloo on {os.cpu_count()} cores, median of {args.repeats} (slowest rank); ratio = plain / form")
     print()
-    print("| ranks | dtype | chunk (elements/rank) | reduce-scatter ms | all-reduce + copy ms | ratio | rule picks"
-          " | all-gather ms | broadcasts ms | ratio | rule picks |")
+    print("| ranks | dtype | chunk (elements/rank) | reduce-scatter ms | all-reduce + copy | exchange | rule picks"
+          " | all-gather ms | broadcasts | exchange | rule picks |")
     print("|--:|---|--:|--:|--:|--:|---|--:|--:|--:|---|")
     for world in args.worlds:
         for name, chunk, t in measure(world, args.dtypes, args.repeats):
-            print(f"| {world} | {name} | {chunk:,} | {t['rs'] * 1e3:.2f} | {t['rs_alt'] * 1e3:.2f} |"
-                  f" {t['rs'] / t['rs_alt']:.2f}x | {rule.reduce_scatter_form(chunk)} | {t['ag'] * 1e3:.2f} |"
-                  f" {t['ag_alt'] * 1e3:.2f} | {t['ag'] / t['ag_alt']:.2f}x | {rule.all_gather_form(chunk)} |")
+            cells = [str(world), name, f"{chunk:,}"]
+            for op, plain, forms_picked in (("rs", "reduce_scatter", rule.reduce_scatter_form(chunk, world)),
+                                            ("ag", "all_gather", rule.all_gather_form(chunk, world))):
+                cells.append(f"{t[f'{op}_plain'] * 1e3:.2f}")
+                for label in ("alt", "exchange"):
+                    key = f"{op}_{label}"
+                    cells.append(f"{t[key] * 1e3:.2f} ({t[f'{op}_plain'] / t[key]:.2f}x)" if key in t else "")
+                cells.append(forms_picked)
+            print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -799,7 +799,7 @@ def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, c
         " x DeepSpeed: ours over Lightning's DeepSpeedStrategy at the same stage.",
         "step: the slowest rank's; RSS, state and comm: the largest rank's. state: held just before the last"
         " optimizer step. wire: bytes written to sockets; payload: bytes handed to torch.distributed collectives;"
-        " collectives/step: calls of them (our gloo all-gathers count one broadcast per rank).",
+        " collectives/step: calls of them (beyond 2 ranks, our gloo all-gathers count one broadcast per rank).",
         f"`{command}` ({wall_s:.0f} s, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_machine()})",
     ]
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """The forms a sharded collective can take ([Note: collective forms] in zero/comm.py): reduce-scatter
-as all-reduce plus a local copy, all-gather as one broadcast per rank, give the same bits as the
-plain collectives, on 2 and 4 gloo ranks, for odd sizes and every dtype."""
+as all-reduce plus a local copy, all-gather as one broadcast per rank, and both as one exchange
+between two ranks, give the same bits as the plain collectives, on 2 and 4 gloo ranks, for odd
+sizes and every dtype."""
 
 from __future__ import annotations
 
@@ -16,40 +17,45 @@ from lightning_zero.zero.comm import CollectiveForms, Collectives, CountingColle
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 CHUNKS = (1, 7, 1001, 524_289)  # elements per rank; the last is above the gloo rule's 512K
 ALTERNATIVE = CollectiveForms(reduce_scatter_as_all_reduce_from=1, all_gather_as_broadcasts_from=1)
+EXCHANGE = CollectiveForms(exchange_between_two_ranks=True)  # with more ranks: the native forms
 
 
 def _compare_forms() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     native = Collectives(forms=CollectiveForms.native())
     alternative = Collectives(forms=ALTERNATIVE)
-    by_rule = Collectives()  # gloo's rules: the alternative forms from 512K elements per rank
-    out: dict[str, Any] = {"mismatches": [], "cases": 0, "rule": by_rule.forms}
+    exchange = Collectives(forms=EXCHANGE)
+    by_rule = Collectives()  # gloo's rules: the exchange at 2 ranks, else the alternatives from 512K
+    out: dict[str, Any] = {"mismatches": [], "cases": 0, "rule": by_rule.forms, "polled": True}
     for dtype in DTYPES:
         for chunk in CHUNKS:
             generator = torch.Generator().manual_seed(1000 * rank + chunk)
             grad = (torch.randn(world * chunk, generator=generator) * 3).to(dtype)
             results = {}
-            for name, collectives in (("native", native), ("alternative", alternative), ("rule", by_rule)):
+            forms = (("native", native), ("alternative", alternative), ("exchange", exchange), ("rule", by_rule))
+            for name, collectives in forms:
                 output = torch.full((chunk,), float("nan"), dtype=dtype)
                 handle = collectives.reduce_scatter(output, grad.clone())
-                if name == "alternative":
+                if name == "alternative" or (name == "exchange" and world == 2):
                     # offload polls reductions during backward: a completed one must hold its chunk
                     # (gloo's own reduce-scatter never reports completion before wait(), so it is not polled)
-                    out["polled"] = out.get("polled", True) and _poll(handle)
+                    out["polled"] = out["polled"] and _poll(handle)
                 handle.wait()
                 gathered = torch.full((world * chunk,), float("nan"), dtype=dtype)
                 collectives.all_gather(gathered, output.clone()).wait()
                 results[name] = (output, gathered)
-            for name in ("alternative", "rule"):
+            for name in ("alternative", "exchange", "rule"):
                 for what, mine, plain in zip(("reduce_scatter", "all_gather"), results[name], results["native"]):
                     if not torch.equal(mine, plain):
                         out["mismatches"].append((name, what, str(dtype), chunk))
             out["cases"] += 1
     # CountingCollectives reports the logical operation whatever form carried it
-    counting = CountingCollectives(alternative)
-    counting.reduce_scatter(torch.empty(5), torch.ones(5 * world)).wait()
-    counting.all_gather(torch.empty(5 * world), torch.ones(5)).wait()
-    out["counted"] = [(call.op, call.numel) for call in counting.calls]
+    out["counted"] = []
+    for forms_under_count in (alternative, exchange):
+        counting = CountingCollectives(forms_under_count)
+        counting.reduce_scatter(torch.empty(5), torch.ones(5 * world)).wait()
+        counting.all_gather(torch.empty(5 * world), torch.ones(5)).wait()
+        out["counted"].append([(call.op, call.numel) for call in counting.calls])
     return out
 
 
@@ -70,13 +76,18 @@ def test_alternative_forms_give_the_plain_collectives_bits(world: int) -> None:
         assert out["cases"] == len(DTYPES) * len(CHUNKS)
         assert out["mismatches"] == []
         assert out["polled"]
-        assert out["counted"] == [("reduce_scatter", 5 * world), ("all_gather", 5 * world)]
+        assert out["counted"] == [[("reduce_scatter", 5 * world), ("all_gather", 5 * world)]] * 2
         assert out["rule"] == CollectiveForms.for_backend("gloo")
 
 
 def test_rules_per_backend() -> None:
     gloo = CollectiveForms.for_backend("gloo")
-    assert gloo.reduce_scatter_form(512 * 1024) == "all_reduce" and gloo.reduce_scatter_form(512 * 1024 - 1) == "reduce_scatter"
-    assert gloo.all_gather_form(1 << 20) == "broadcasts" and gloo.all_gather_form(100) == "all_gather"
+    for world in (3, 4, 8):
+        assert gloo.reduce_scatter_form(512 * 1024, world) == "all_reduce"
+        assert gloo.reduce_scatter_form(512 * 1024 - 1, world) == "reduce_scatter"
+        assert gloo.all_gather_form(1 << 20, world) == "broadcasts" and gloo.all_gather_form(100, world) == "all_gather"
+    for chunk in (1, 100, 512 * 1024, 1 << 26):
+        assert gloo.reduce_scatter_form(chunk, 2) == "exchange" and gloo.all_gather_form(chunk, 2) == "exchange"
     nccl = CollectiveForms.for_backend("nccl")
-    assert nccl.reduce_scatter_form(1 << 30) == "reduce_scatter" and nccl.all_gather_form(1 << 30) == "all_gather"
+    for world in (2, 4):
+        assert nccl.reduce_scatter_form(1 << 30, world) == "reduce_scatter" and nccl.all_gather_form(1 << 30, world) == "all_gather"

@@ -39,17 +39,25 @@ class _Done:
 
 # [Note: collective forms]
 # A sharded collective can go out in more than one form with the same result, bit for bit:
-# reduce-scatter as an all-reduce of the whole input followed by a copy of this rank's chunk, and
-# all-gather as one broadcast per rank into its slot of the output. Which form is fastest depends
-# on the backend and the size: on gloo (CPU), from 512K elements per rank, the all-reduce form is
-# 1.1-1.3x faster than gloo's reduce-scatter and the broadcasts 1.2-2.1x faster than its all-gather
-# (2 and 4 ranks, fp32 and bf16; below that the forms trade places from one size to the next),
-# while NCCL's reduce-scatter and all-gather are its fastest. CollectiveForms holds fixed
-# rules measured by benchmarks/comm.py (per rank's chunk, in elements); every rank applies the
-# same rule to the same sizes, so the ranks always issue the same collectives. The all-reduce
-# form writes the sum into its input: the reductions' inputs are local gradient buffers, zeroed or
-# freed once reduced. CountingCollectives records the logical operation, so traffic accounting
-# reports the volume of a reduce-scatter or an all-gather whichever form carried it.
+# - reduce-scatter as an all-reduce of the whole input followed by a copy of this rank's chunk;
+# - all-gather as one broadcast per rank into its slot of the output;
+# - between exactly two ranks, either of them as an exchange: one all_to_all_single whose split
+#   sizes send the peer its chunk and nothing to oneself. A reduce-scatter then adds this rank's own
+#   chunk to the one received, which is the sum gloo forms (a + b equals b + a in IEEE arithmetic,
+#   so the bits match for every dtype); with more ranks a local sum would add in another order than
+#   gloo's ring, and the bits would differ, so the exchange is never used there.
+# Which form is fastest depends on the backend, the ranks and the size. On gloo (CPU), with two
+# ranks, the exchange is the fastest form of both at every size measured, 4K-2M elements per rank
+# (reduce-scatter 1.4-7x faster than gloo's, all-gather 1.1-1.6x: one collective where the
+# broadcasts are two, each byte sent once, and no sum inside gloo, whose bf16 sum is slow). With more ranks, from 512K elements per
+# rank, the all-reduce form is 1.1-1.3x faster than gloo's reduce-scatter and the broadcasts
+# 1.2-2.1x faster than its all-gather (below that the forms trade places from one size to the
+# next). NCCL's reduce-scatter and all-gather are its fastest. CollectiveForms holds fixed rules
+# measured by benchmarks/comm.py (per rank's chunk, in elements); every rank applies the same rule
+# to the same sizes, so the ranks always issue the same collectives. The all-reduce form writes the
+# sum into its input: the reductions' inputs are local gradient buffers, zeroed or freed once
+# reduced. CountingCollectives records the logical operation, so traffic accounting reports the
+# volume of a reduce-scatter or an all-gather whichever form carried it.
 
 
 @dataclass(frozen=True)
@@ -61,10 +69,14 @@ class CollectiveForms:
             reduce-scattered as an all-reduce plus a local copy; ``None``: never.
         all_gather_as_broadcasts_from: chunks of at least this many elements per rank are
             all-gathered as one broadcast per rank; ``None``: never.
+        exchange_between_two_ranks: over a group of exactly two ranks, both collectives go out as
+            one exchange (``all_to_all_single``), whatever the size; this comes before the two
+            thresholds, which then only apply to larger groups.
     """
 
     reduce_scatter_as_all_reduce_from: int | None = None
     all_gather_as_broadcasts_from: int | None = None
+    exchange_between_two_ranks: bool = False
 
     @classmethod
     def native(cls) -> CollectiveForms:
@@ -73,18 +85,23 @@ class CollectiveForms:
 
     @classmethod
     def for_backend(cls, backend: str) -> CollectiveForms:
-        """The rules ``benchmarks/comm.py`` measured: on gloo both alternative forms from 512K
-        elements per rank (below that neither form wins at every size); every other backend
-        (NCCL) keeps its own."""
+        """The rules ``benchmarks/comm.py`` measured: on gloo the exchange between two ranks, and
+        with more ranks both alternative forms from 512K elements per rank (below that neither form
+        wins at every size); every other backend (NCCL) keeps its own."""
         if "gloo" in backend:
-            return cls(reduce_scatter_as_all_reduce_from=_GLOO_FORMS_FROM, all_gather_as_broadcasts_from=_GLOO_FORMS_FROM)
+            return cls(reduce_scatter_as_all_reduce_from=_GLOO_FORMS_FROM, all_gather_as_broadcasts_from=_GLOO_FORMS_FROM,
+                       exchange_between_two_ranks=True)
         return cls.native()
 
-    def reduce_scatter_form(self, chunk_numel: int) -> str:
+    def reduce_scatter_form(self, chunk_numel: int, world_size: int) -> str:
+        if self.exchange_between_two_ranks and world_size == 2:
+            return "exchange"
         threshold = self.reduce_scatter_as_all_reduce_from
         return "all_reduce" if threshold is not None and chunk_numel >= threshold else "reduce_scatter"
 
-    def all_gather_form(self, chunk_numel: int) -> str:
+    def all_gather_form(self, chunk_numel: int, world_size: int) -> str:
+        if self.exchange_between_two_ranks and world_size == 2:
+            return "exchange"
         threshold = self.all_gather_as_broadcasts_from
         return "broadcasts" if threshold is not None and chunk_numel >= threshold else "all_gather"
 
@@ -119,6 +136,44 @@ class _SliceAfterAllReduce:
             return False
         self.wait()
         return True
+
+
+class _AddAfterExchange:
+    """A reduce-scatter between two ranks carried by an exchange: ``output`` receives the peer's
+    copy of this rank's chunk, and this rank's own copy is added to it once the exchange completes
+    (on ``wait``, or when ``is_completed`` sees it)."""
+
+    def __init__(self, work: Handle, output: Tensor, own_chunk: Tensor) -> None:
+        self._work = work
+        self._output = output
+        self._own_chunk = own_chunk
+        self._added = False
+
+    def _add(self) -> None:
+        if not self._added:
+            self._output.add_(self._own_chunk)
+            self._added = True
+
+    def wait(self) -> bool:
+        self._work.wait()
+        self._add()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._added:
+            return True
+        if not self._work.is_completed():
+            return False
+        self.wait()
+        return True
+
+
+def _exchange_splits(rank: int, numel: int) -> list[int]:
+    """The split sizes of a two-rank exchange: ``numel`` elements to and from the peer, none to or
+    from oneself."""
+    splits = [numel, numel]
+    splits[rank] = 0
+    return splits
 
 
 class _Broadcasts:
@@ -282,11 +337,19 @@ class Collectives:
     def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
         """Sums ``input`` (shape [world * n]) over ranks; rank r receives elements [r*n, (r+1)*n).
         Under hybrid sharding the sum then spans the replicas too, and is averaged over them."""
-        if self.world_size == 1:
+        n = output.numel()
+        form = self.forms.reduce_scatter_form(n, self.world_size) if self.world_size > 1 else "local"
+        chunk = input[self.rank * n:(self.rank + 1) * n]
+        if form == "local":
             output.copy_(input)
             scatter: Handle = _Done()
-        elif self.forms.reduce_scatter_form(output.numel()) == "all_reduce":
-            chunk = input[self.rank * output.numel():(self.rank + 1) * output.numel()]
+        elif form == "exchange":
+            peer = 1 - self.rank
+            splits = _exchange_splits(self.rank, n)
+            work = dist.all_to_all_single(output, input[peer * n:(peer + 1) * n], output_split_sizes=splits,
+                                          input_split_sizes=splits, group=self._reduce_group, async_op=True)
+            scatter = _AddAfterExchange(work, output, chunk)
+        elif form == "all_reduce":
             work = dist.all_reduce(input, group=self._reduce_group, async_op=True)
             scatter = _SliceAfterAllReduce(work, output, chunk)
         else:
@@ -354,10 +417,16 @@ class Collectives:
         if self.world_size == 1:
             output.copy_(input)
             return _Done()
-        if self.forms.all_gather_form(input.numel()) == "broadcasts":
+        form = self.forms.all_gather_form(input.numel(), self.world_size)
+        if form != "all_gather":
             n = input.numel()
             slots = [output[r * n:(r + 1) * n] for r in range(self.world_size)]
             slots[self.rank].copy_(input)
+        if form == "exchange":
+            splits = _exchange_splits(self.rank, n)
+            return dist.all_to_all_single(slots[1 - self.rank], input, output_split_sizes=splits, input_split_sizes=splits,
+                                          group=self.group, async_op=True)
+        if form == "broadcasts":
             return _Broadcasts([dist.broadcast(slot, src=self._group_ranks[r], group=self.group, async_op=True)
                                 for r, slot in enumerate(slots)])
         return _all_gather_single(output, input, group=self.group, async_op=True)
