@@ -7,7 +7,7 @@ wrap the object to count exactly what is sent (:class:`CountingCollectives`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -109,58 +109,26 @@ class CollectiveForms:
 _GLOO_FORMS_FROM = 512 * 1024
 
 
-class _SliceAfterAllReduce:
-    """A reduce-scatter carried by an all-reduce of the whole input: this rank's chunk is copied
-    into the output once the all-reduce completes (on ``wait``, or when ``is_completed`` sees it)."""
+class _FinishedLocally:
+    """A collective whose result still needs one local operation: reduce-scatter carried by an
+    all-reduce (copy this rank's chunk into the output) or by an exchange (add this rank's own
+    chunk to the one received). ``finish`` runs once, when the collective is seen complete (on
+    ``wait``, or when ``is_completed`` sees it)."""
 
-    def __init__(self, work: Handle, output: Tensor, chunk: Tensor) -> None:
+    def __init__(self, work: Handle, finish: Callable[[], object]) -> None:
         self._work = work
-        self._output = output
-        self._chunk = chunk
-        self._copied = False
-
-    def _copy(self) -> None:
-        if not self._copied:
-            self._output.copy_(self._chunk)
-            self._copied = True
+        self._finish = finish
+        self._finished = False
 
     def wait(self) -> bool:
         self._work.wait()
-        self._copy()
+        if not self._finished:
+            self._finish()
+            self._finished = True
         return True
 
     def is_completed(self) -> bool:
-        if self._copied:
-            return True
-        if not self._work.is_completed():
-            return False
-        self.wait()
-        return True
-
-
-class _AddAfterExchange:
-    """A reduce-scatter between two ranks carried by an exchange: ``output`` receives the peer's
-    copy of this rank's chunk, and this rank's own copy is added to it once the exchange completes
-    (on ``wait``, or when ``is_completed`` sees it)."""
-
-    def __init__(self, work: Handle, output: Tensor, own_chunk: Tensor) -> None:
-        self._work = work
-        self._output = output
-        self._own_chunk = own_chunk
-        self._added = False
-
-    def _add(self) -> None:
-        if not self._added:
-            self._output.add_(self._own_chunk)
-            self._added = True
-
-    def wait(self) -> bool:
-        self._work.wait()
-        self._add()
-        return True
-
-    def is_completed(self) -> bool:
-        if self._added:
+        if self._finished:
             return True
         if not self._work.is_completed():
             return False
@@ -348,10 +316,10 @@ class Collectives:
             splits = _exchange_splits(self.rank, n)
             work = dist.all_to_all_single(output, input[peer * n:(peer + 1) * n], output_split_sizes=splits,
                                           input_split_sizes=splits, group=self._reduce_group, async_op=True)
-            scatter = _AddAfterExchange(work, output, chunk)
+            scatter = _FinishedLocally(work, lambda: output.add_(chunk))
         elif form == "all_reduce":
             work = dist.all_reduce(input, group=self._reduce_group, async_op=True)
-            scatter = _SliceAfterAllReduce(work, output, chunk)
+            scatter = _FinishedLocally(work, lambda: output.copy_(chunk))
         else:
             scatter = _reduce_scatter_single(output, input, group=self._reduce_group, async_op=True)
         if self.replicas == 1:
