@@ -49,10 +49,10 @@ class _Done:
 # Which form is fastest depends on the backend, the ranks and the size. On gloo (CPU), with two
 # ranks, the exchange is the fastest form of both at every size measured, 4K-2M elements per rank
 # (reduce-scatter 1.4-7x faster than gloo's, all-gather 1.1-1.6x: one collective where the
-# broadcasts are two, each byte sent once, and no sum inside gloo, whose bf16 sum is slow). With more ranks, from 512K elements per
-# rank, the all-reduce form is 1.1-1.3x faster than gloo's reduce-scatter and the broadcasts
-# 1.2-2.1x faster than its all-gather (below that the forms trade places from one size to the
-# next). NCCL's reduce-scatter and all-gather are its fastest. CollectiveForms holds fixed rules
+# broadcasts are two, each byte sent once, and no sum inside gloo, whose bf16 sum is slow). With
+# more ranks, from 512K elements per rank, the all-reduce form is 1.1-1.3x faster than gloo's
+# reduce-scatter and the broadcasts 1.2-2.1x faster than its all-gather (below that the forms
+# trade places from one size to the next). NCCL's reduce-scatter and all-gather are its fastest. CollectiveForms holds fixed rules
 # measured by benchmarks/comm.py (per rank's chunk, in elements); every rank applies the same rule
 # to the same sizes, so the ranks always issue the same collectives. The all-reduce form writes the
 # sum into its input: the reductions' inputs are local gradient buffers, zeroed or freed once
