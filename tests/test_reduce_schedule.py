@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from lightning_zero import CPUOffloadPolicy, ZeroConfig, ZeroOptimizer
 from lightning_zero.zero.layout import Range, rank_chunk
 from lightning_zero.zero.optimizer import ShardedOptimizer
-from lightning_zero.zero.reduce import GradState, ReduceSchedule, Reduction
+from lightning_zero.zero.reduce import BufferPool, GradState, ReduceSchedule, Reduction
 from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
 
 CPU = torch.device("cpu")
@@ -560,6 +560,74 @@ def test_poll_after_launch_moves_finished_reductions_during_backward() -> None:
     schedule.finish()
     assert all(r.state is GradState.CLEAN for r in (a, b, c))
     assert torch.equal(c.master_grad, _mine(c, _grad(c)))
+
+
+def _pooled(fake: FakeCollectives, keep: int = 2) -> tuple[ReduceSchedule, list[Reduction], BufferPool]:
+    schedule, reductions = _schedule(fake)
+    schedule.reuse_buffers(keep)
+    (pool,) = schedule.pools
+    return schedule, reductions, pool
+
+
+def test_a_landed_reductions_buffer_serves_the_next_one_within_the_same_backward() -> None:
+    """Stage 2 on the CPU ([Note: reused gradient buffers]): one pool of the largest reduction's
+    size; a reduction that completed gives its buffer back when the next one needs one."""
+    fake = FakeCollectives(pending=True)
+    schedule, (a, b, c), pool = _pooled(fake)
+    assert pool.numel == c.numel and all(r.pool is pool for r in (a, b, c))
+    _give(schedule, a, _grad(a), task=1)
+    first = a.grad.data_ptr()  # type: ignore[union-attr]
+    fake.handles[0].release()  # type: ignore[union-attr]
+    _give(schedule, b, _grad(b), task=1)  # B takes a buffer: A, completed, lands and gives its own back
+    assert a.state is GradState.CLEAN and a.grad is None
+    assert b.grad is not None and b.grad.data_ptr() == first and b.grad.numel() == b.numel
+    _give(schedule, c, _grad(c), task=1)  # B is in flight: C gets a buffer of its own
+    assert c.grad is not None and c.grad.data_ptr() != first
+    schedule.finish()
+    for reduction in (a, b, c):
+        assert torch.equal(reduction.master_grad, _mine(reduction, _grad(reduction)))
+
+
+def test_the_pool_keeps_at_most_keep_buffers_and_none_in_flight() -> None:
+    fake = FakeCollectives(pending=True)
+    schedule, reductions, pool = _pooled(fake, keep=2)
+    for reduction in reductions:
+        _give(schedule, reduction, _grad(reduction), task=1)  # nothing completes: three buffers
+    held = {r.grad.data_ptr() for r in reductions}  # type: ignore[union-attr]
+    assert len(held) == 3 and not pool.free
+    schedule.finish()
+    assert len(pool.free) == 2 and {b.data_ptr() for b in pool.free} <= held
+    assert all(r.grad is None for r in reductions)
+
+
+def test_a_reused_buffer_brings_no_stale_gradient_into_the_next_reduction() -> None:
+    """A pooled buffer holds the last bucket's values: parts no gradient reached are zeroed, and
+    a buffer without parts is zeroed when taken."""
+    fake = FakeCollectives()
+    schedule, (a, b, c), pool = _pooled(fake)
+    c.set_parts([Range(0, 2), Range(2, 6)])
+    a.local_grad().fill_(7.0)  # a whole buffer of 7s goes back to the pool at finish
+    schedule.finish()
+    schedule.enter_backward(task=2)
+    c.add_to_part(0, torch.ones(2))  # the second part gets no gradient this round
+    b.local_grad()
+    assert not b.grad.any()  # type: ignore[union-attr]
+    schedule.finish()
+    expected = torch.zeros(6)
+    expected[:2] = 1.0
+    assert torch.equal(c.master_grad, _mine(c, expected))
+    assert not b.master_grad.any()
+
+
+def test_only_host_reductions_that_free_their_buffer_share_a_pool() -> None:
+    fake = FakeCollectives()
+    schedule, _ = _schedule(fake, keep_buffer=True)
+    schedule.reuse_buffers()
+    assert schedule.pools == []
+    mixed = _reductions(fake, dtype=torch.float32) + _reductions(fake, chunks=[4], dtype=torch.bfloat16)
+    schedule = ReduceSchedule(mixed, fake)
+    schedule.reuse_buffers()
+    assert {(pool.dtype, pool.numel) for pool in schedule.pools} == {(torch.float32, 6), (torch.bfloat16, 8)}
 
 
 def test_gradients_of_one_task_are_one_backward_and_counts_start_afresh() -> None:

@@ -305,6 +305,8 @@ class FlatLayout:
         self._init_buffers(optimizer, names, param_dtype)
         self.schedule = ReduceSchedule([bucket.reduction for bucket in self.buckets], collectives)
         self.schedule.poll_after_launch = config.offload_optimizer is not None
+        if config.stage == 2:
+            self.schedule.reuse_buffers()
         self.staging = StagingBuffers()
         for bucket in self.buckets:
             if bucket.staging is not None:
