@@ -247,12 +247,14 @@ class ZeroConfig:
             ``"cpu"``, ``"torch"`` or ``"host"`` force that backend (see [Note: backends of the
             fused Adam op] in lightning_zero/ops/fused_adam.py). Offloaded masters always take
             the C++ CPU Adam.
-        overlap_step: stages 1/2, when every master is stepped by a fused kernel (offloaded Adam/AdamW,
-            or ``fused_adam`` on the device) and nothing needs the whole gradient first (no fp16 loss
-            scaler, no clipping, no ``on_before_optimizer_step`` hook): each bucket steps and starts
-            its all-gather as soon as its reduction lands, while later reductions are still in
-            flight. Bit-identical to the plain step; ``False`` waits for every reduction first (see
-            [Note: overlapped step] in zero/optimizer.py).
+        overlap_step: stages 1/2, when every master can be stepped bucket by bucket (a fused kernel
+            steps it: offloaded Adam/AdamW, or ``fused_adam`` on the device; or the optimizer is one
+            of torch.optim's own elementwise classes, not a subclass, with no step hooks) and
+            nothing needs the whole gradient first (no fp16 loss scaler, no clipping, no
+            ``on_before_optimizer_step`` hook): each bucket steps and starts its all-gather as soon
+            as its reduction lands, while later reductions are still in flight. Bit-identical to
+            the plain step; ``False`` waits for every reduction first (see [Note: overlapped step]
+            in zero/optimizer.py).
     """
 
     stage: int = 2

@@ -1,7 +1,8 @@
 """The overlapped step of stages 1/2 ([Note: overlapped step] in zero/optimizer.py) on 2 gloo ranks.
 
-When every master is stepped by a fused kernel and nothing needs the whole gradient first, each
-bucket steps and starts its all-gather as soon as its reduction lands. It must be bit-identical
+When every master can be stepped alone (a fused kernel steps it, or the optimizer is one of
+torch.optim's elementwise classes with no step hooks) and nothing needs the whole gradient first,
+each bucket steps and starts its all-gather as soon as its reduction lands. It must be bit-identical
 to the plain step (``ZeroConfig(overlap_step=False)``): parameters, masters and optimizer state,
 over several buckets, two param groups, accumulation, a parameter without a gradient and bf16
 parameters. Through the Trainer it runs only when nothing between the closure and the step reads
@@ -11,7 +12,7 @@ hook sees every reduction landed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,12 +31,43 @@ from models import TinyGPT, fit, params_of
 
 WORLD = 2
 STEPS = 3
-# name: ZeroConfig keywords; every one has all of its masters stepped by a fused kernel.
-CONFIGS: dict[str, dict[str, Any]] = {
-    "zero1_offload": {"stage": 1, "offload_optimizer": CPUOffloadPolicy()},
-    "zero2_offload": {"stage": 2, "offload_optimizer": CPUOffloadPolicy()},
-    "zero2_fused_cpu": {"stage": 2, "fused_adam": "cpu"},
-    "zero2_half_offload": {"stage": 2, "fused_adam": "cpu", "offload_optimizer": CPUOffloadPolicy(ratio=0.5)},
+Groups = list[dict[str, Any]]
+
+
+def _adamw(groups: Groups) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=0.05)
+
+
+class _SubclassedAdamW(torch.optim.AdamW):
+    """A subclass: its step() may look at every parameter, so it is not stepped bucket by bucket."""
+
+
+def _hooked_adamw(groups: Groups) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW(groups, lr=0.05)
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: None)  # would run once per bucket
+    return optimizer
+
+
+# name: ZeroConfig keywords and the optimizer; every one can step all of its masters bucket by
+# bucket: a fused kernel steps them, or the optimizer's own step (torch.optim's for-loop, foreach
+# and fused implementations, momentum SGD) over each bucket's masters.
+CONFIGS: dict[str, tuple[dict[str, Any], Callable[[Groups], torch.optim.Optimizer]]] = {
+    "zero1_offload": ({"stage": 1, "offload_optimizer": CPUOffloadPolicy()}, _adamw),
+    "zero2_offload": ({"stage": 2, "offload_optimizer": CPUOffloadPolicy()}, _adamw),
+    "zero2_fused_cpu": ({"stage": 2, "fused_adam": "cpu"}, _adamw),
+    "zero2_half_offload": ({"stage": 2, "fused_adam": "cpu", "offload_optimizer": CPUOffloadPolicy(ratio=0.5)}, _adamw),
+    "zero1_adamw": ({"stage": 1}, _adamw),
+    "zero2_adamw": ({"stage": 2}, _adamw),
+    "zero2_adamw_foreach": ({"stage": 2}, lambda groups: torch.optim.AdamW(groups, lr=0.05, foreach=True)),
+    "zero2_adamw_fused": ({"stage": 2}, lambda groups: torch.optim.AdamW(groups, lr=0.05, fused=True)),
+    "zero2_sgd": ({"stage": 2}, lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)),
+    "zero2_half_offload_sgd": ({"stage": 2, "offload_optimizer": CPUOffloadPolicy(ratio=0.5)},
+                               lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9)),
+}
+# The same, with optimizers that must keep the plain step: the overlapped one never runs.
+PLAIN: dict[str, tuple[dict[str, Any], Callable[[Groups], torch.optim.Optimizer]]] = {
+    "zero2_subclassed_adamw": ({"stage": 2}, lambda groups: _SubclassedAdamW(groups, lr=0.05)),
+    "zero2_hooked_adamw": ({"stage": 2}, _hooked_adamw),
 }
 
 
@@ -68,14 +100,15 @@ class _Net(nn.Module):
         return out + self.unused_on_rank_1(x) if dist.get_rank() == 0 else out
 
 
-def _engine_run(keywords: dict[str, Any], overlap: bool, dtype: torch.dtype) -> dict[str, Any]:
+def _engine_run(keywords: dict[str, Any], make_optimizer: Callable[[Groups], torch.optim.Optimizer], overlap: bool,
+                dtype: torch.dtype) -> dict[str, Any]:
     model = _Net()
     config = ZeroConfig(reduce_bucket_size=500, overlap_step=overlap, **keywords)
     param_dtype = None if dtype == torch.float32 else dtype
     engine = make_engine(model, Collectives(), config, param_dtype, torch.device("cpu"))
     params = list(model.parameters())
-    optimizer = engine.wrap_optimizer(torch.optim.AdamW(
-        [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}], lr=0.05))
+    optimizer = engine.wrap_optimizer(make_optimizer(
+        [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}]))
     generator = torch.Generator().manual_seed(dist.get_rank())
     with counting_landings() as landings:
         for _ in range(STEPS):
@@ -105,11 +138,12 @@ class _ReadsGradients(pl.Callback):
         self.synced += [opt.sync_state is SyncState.SYNCED for opt in trainer.strategy.zero_optimizers]
 
 
-def _trainer_run(overlap: bool, callback: pl.Callback | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
+def _trainer_run(overlap: bool, callback: pl.Callback | None = None, offload: bool = True,
+                 **trainer_kwargs: Any) -> dict[str, Any]:
     pl.seed_everything(0)
     module = TinyGPT(scheduler=True)
     strategy = ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=700, overlap_step=overlap,
-                                              offload_optimizer=CPUOffloadPolicy()))
+                                              offload_optimizer=CPUOffloadPolicy() if offload else None))
     with counting_landings() as landings:
         fit(module, strategy, WORLD, steps=6, callbacks=[callback] if callback else [], **trainer_kwargs)
     return {"params": params_of(module), "landings": len(landings)}
@@ -117,16 +151,18 @@ def _trainer_run(overlap: bool, callback: pl.Callback | None = None, **trainer_k
 
 def _cases() -> dict[str, Any]:
     engine = {}
-    for name, keywords in CONFIGS.items():
+    for name, (keywords, make_optimizer) in {**CONFIGS, **PLAIN}.items():
         for dtype in (torch.float32, torch.bfloat16):
             for overlap in (True, False):
-                engine[(name, dtype, overlap)] = _engine_run(keywords, overlap, dtype)
+                engine[(name, dtype, overlap)] = _engine_run(keywords, make_optimizer, overlap, dtype)
     reader = _ReadsGradients()
     trainer = {
         "overlapped": _trainer_run(True),
         "plain": _trainer_run(False),
         "callback": _trainer_run(True, reader),
         "clipped": _trainer_run(True, gradient_clip_val=0.5),
+        "overlapped_own_step": _trainer_run(True, offload=False),  # the optimizer's own step, by bucket
+        "plain_own_step": _trainer_run(False, offload=False),
     }
     return {"engine": engine, "trainer": trainer, "reader_synced": reader.synced}
 
@@ -166,6 +202,16 @@ def test_the_overlapped_step_is_bit_identical_to_the_plain_one(runs: list[dict[s
             _assert_identical(on[key], off[key], f"rank {rank} {name} {key}")
 
 
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_a_subclass_or_a_hooked_optimizer_keeps_the_plain_step(runs: list[dict[str, Any]], name: str) -> None:
+    for rank, run in enumerate(runs):
+        on, off = run["engine"][(name, torch.float32, True)], run["engine"][(name, torch.float32, False)]
+        assert on["landings"] == 0 and off["landings"] == 0
+        _assert_identical(on["params"], off["params"], f"rank {rank} {name} params")
+        # ... and it computes what the optimizer it derives from computes bucket by bucket.
+        _assert_identical(on["params"], run["engine"][("zero2_adamw", torch.float32, True)]["params"], name)
+
+
 def test_through_the_trainer_it_runs_only_when_nothing_reads_the_gradients_first(runs: list[dict[str, Any]]) -> None:
     for run in runs:
         trainer = run["trainer"]
@@ -175,6 +221,8 @@ def test_through_the_trainer_it_runs_only_when_nothing_reads_the_gradients_first
         assert trainer["callback"]["landings"] == 0 and trainer["clipped"]["landings"] == 0
         assert run["reader_synced"] and all(run["reader_synced"])
         _assert_identical(trainer["callback"]["params"], trainer["plain"]["params"], "with a callback")
+        assert trainer["overlapped_own_step"]["landings"] == 6 and trainer["plain_own_step"]["landings"] == 0
+        _assert_identical(trainer["overlapped_own_step"]["params"], trainer["plain_own_step"]["params"], "own step")
 
 
 def test_overlap_step_must_be_a_bool() -> None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as torch_optimizer
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -319,18 +320,22 @@ class ShardedOptimizer(Optimizer):
 
     # [Note: overlapped step]
     # When the step needs no decision over the whole gradient first (no loss scaler whose overflow
-    # check would skip it, no clipping factor) and every master is stepped by a fused kernel (the
-    # C++ CPU Adam of offloaded masters, the device kernel of the others), the step goes bucket by
-    # bucket: the reductions still owed are launched, the per-parameter "had a gradient" flags are
-    # agreed, and then, as each bucket's reduction lands (in launch order, the same on every rank),
-    # its master pieces step and its all-gather starts while the later reductions are still in
-    # flight. Under offload the CPU step of bucket k then overlaps the reductions of buckets k+1...,
-    # and the gather of bucket k the step of bucket k+1. Each element sees the same operations as in
-    # the plain step (finish every reduction, step every master, gather every bucket), so the result
-    # is bit-identical. Stages 1/2 only (the layout must offer land_step_publish); stage 3 keeps
-    # the plain step. ZeroConfig.overlap_step=False turns it off. The strategy leaves the reductions
-    # in flight past the closure only when nothing between the closure and the step reads the
-    # gradients (ZeroStrategy._gradients_read_before_step).
+    # check would skip it, no clipping factor) and every master can be stepped bucket by bucket, the
+    # step goes bucket by bucket: the reductions still owed are launched, the per-parameter "had a
+    # gradient" flags are agreed, and then, as each bucket's reduction lands (in launch order, the
+    # same on every rank), its master pieces step and its all-gather starts while the later
+    # reductions are still in flight. The CPU step of bucket k then overlaps the reductions of
+    # buckets k+1..., and the gather of bucket k the step of bucket k+1. A master can be stepped
+    # alone when a fused kernel steps it (the C++ CPU Adam of offloaded masters, the device kernel
+    # of the others), or when the user's optimizer is one of torch.optim's own elementwise classes
+    # (not a subclass, whose step() may look at every parameter) with no step hooks (which would
+    # run once per bucket), and all of its masters share one device (torch picks the foreach or
+    # for-loop implementation from the devices of the call: one device, one choice). Each element
+    # sees the same operations as in the plain step (finish every reduction, step every master,
+    # gather every bucket), so the result is bit-identical. Stages 1/2 only (the layout must offer
+    # land_step_publish); stage 3 keeps the plain step. ZeroConfig.overlap_step=False turns it off.
+    # The strategy leaves the reductions in flight past the closure only when nothing between the
+    # closure and the step reads the gradients (ZeroStrategy._gradients_read_before_step).
     def _can_overlap_step(self) -> bool:
         if not self.config.overlap_step or self.loss_scaler is not None or self._grad_coefficient is not None:
             return False
@@ -339,7 +344,18 @@ class ShardedOptimizer(Optimizer):
         trained = self.layout.trained_masters(None)
         fused_cpu, fused_device = self._fused_masters(trained)
         fused = {master for _, master in fused_cpu} | {m for _, masters in fused_device for m in masters}
-        return all(master in fused for masters in trained for master in masters)
+        rest = [master for masters in trained for master in masters if master not in fused]
+        return not rest or (self._steps_by_parts() and len({master.device for master in rest}) == 1)
+
+    def _steps_by_parts(self) -> bool:
+        """Whether stepping the user's optimizer over disjoint parts of its masters, one after the
+        other, computes what one step over all of them does (see [Note: overlapped step])."""
+        optimizer = self.optimizer
+        if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+            return False
+        hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+                 torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+        return not any(hooks)
 
     def _fused_masters(
         self, trained: list[list[Tensor]]
@@ -363,8 +379,14 @@ class ShardedOptimizer(Optimizer):
         if layout.staging is not None:
             layout.staging.begin_step()
 
+        fused = {master for _, master in fused_cpu} | {m for _, masters in fused_device for m in masters}
+
         def step_bucket(holders: list[Tensor]) -> None:
             mine = set(holders)
+            rest = [[m for m in masters if m in mine and m not in fused] for masters in trained]
+            if any(rest):
+                with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(rest):
+                    self.optimizer.step()
             device = [(group, kept) for group, masters in fused_device if (kept := [m for m in masters if m in mine])]
             if device:
                 with torch.profiler.record_function("zero::fused_adam_step"):
