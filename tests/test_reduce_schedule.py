@@ -951,6 +951,30 @@ def test_stage_1_keeps_the_bucket_gradients_and_stage_2_frees_them(stage: int) -
         assert not bucket.master_grad.any()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stages_2_and_3_on_the_cpu_take_their_gradient_buffers_from_the_pool(stage: int) -> None:
+    """[Note: reused gradient buffers]: the second step's gradients land in buffers the first one
+    gave back (no new allocation), and they are still right."""
+    sim = _make_rank(stage, 0)
+    (pool,) = sim.schedule.pools
+    assert all(r.pool is pool for r in _reductions_of(sim)) and pool.numel == max(r.numel for r in _reductions_of(sim))
+    sim.backward(0, 0)
+    sim.optimizer.finish_grad_sync()
+    kept = {buffer.data_ptr() for buffer in pool.free}
+    assert 0 < len(kept) <= 2
+    sim.optimizer.zero_grad()
+    sim.backward(0, 1)
+    used = {r.grad.data_ptr() for r in _reductions_of(sim) if r.grad is not None}
+    assert kept <= used | {b.data_ptr() for b in pool.free}
+    sim.optimizer.finish_grad_sync()
+    _pieces_match(sim, 0, _reference_grads(0, None, steps=(1,)))
+
+
+def test_stage_1_keeps_its_own_buffers_and_takes_no_pool() -> None:
+    sim = _make_rank(1, 0)
+    assert sim.schedule.pools == [] and all(r.pool is None for r in _reductions_of(sim))
+
+
 def test_stage_3_unit_gradient_buffers_exist_only_until_reduced() -> None:
     """Stage 3 never keeps a unit's local gradient after its reduction."""
     sim = _make_rank(3, 0)

@@ -360,6 +360,7 @@ class ReduceSchedule:
         self._running_tasks: set[int] = set()  # graph tasks seen that have not finished yet
         # Gradients arrived after their reduction of this backward went out: finish owes a round.
         self.leftover = False
+        self.pools: list[BufferPool] = []  # see reuse_buffers
 
     def reuse_buffers(self, keep: int = 2) -> None:
         """Host reductions that free their local gradient take it from a pool per dtype instead
@@ -369,6 +370,8 @@ class ReduceSchedule:
             if not reduction.keep_buffer and reduction.device.type == "cpu":
                 by_dtype.setdefault(reduction.dtype, []).append(reduction)
         self.pools = []
+        for reduction in self.order:
+            reduction.pool = None
         for dtype, reductions in by_dtype.items():
             pool = BufferPool(max(r.numel for r in reductions), dtype, torch.device("cpu"), keep)
             pool.reclaim = self._poll
