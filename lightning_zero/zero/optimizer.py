@@ -87,6 +87,13 @@ class SyncState(enum.Enum):
     SYNCED = "every gradient produced so far is reduced into the master-gradient shards"
 
 
+def _fused_set(
+    fused_cpu: list[tuple[dict[str, Any], Tensor]], fused_device: list[tuple[dict[str, Any], list[Tensor]]]
+) -> set[Tensor]:
+    """Every master of ``ShardedOptimizer._fused_masters``' two lists."""
+    return {master for _, master in fused_cpu} | {m for _, masters in fused_device for m in masters}
+
+
 def check_shardable(optimizer: Optimizer, config: ZeroConfig) -> None:
     """Raises ``ValueError`` if ZeRO cannot shard ``optimizer`` correctly."""
     name = type(optimizer).__name__
@@ -343,7 +350,7 @@ class ShardedOptimizer(Optimizer):
             return False
         trained = self.layout.trained_masters(None)
         fused_cpu, fused_device = self._fused_masters(trained)
-        fused = {master for _, master in fused_cpu} | {m for _, masters in fused_device for m in masters}
+        fused = _fused_set(fused_cpu, fused_device)
         rest = [master for masters in trained for master in masters if master not in fused]
         return not rest or (self._steps_by_parts() and len({master.device for master in rest}) == 1)
 
@@ -379,7 +386,7 @@ class ShardedOptimizer(Optimizer):
         if layout.staging is not None:
             layout.staging.begin_step()
 
-        fused = {master for _, master in fused_cpu} | {m for _, masters in fused_device for m in masters}
+        fused = _fused_set(fused_cpu, fused_device)
 
         def step_bucket(holders: list[Tensor]) -> None:
             mine = set(holders)
@@ -415,7 +422,7 @@ class ShardedOptimizer(Optimizer):
                 self.optimizer.step()
             return
         coefficient = self._grad_coefficient_now()
-        fused_masters = {master for _, master in fused_cpu} | {m for _, masters in fused_device for m in masters}
+        fused_masters = _fused_set(fused_cpu, fused_device)
         rest = [[m for m in masters if m not in fused_masters] for masters in trained]
         if isinstance(coefficient, Tensor) or coefficient != 1.0:
             for master in (m for masters in rest for m in masters):

@@ -71,11 +71,11 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 # slower than ZeRO-1; 5,000-6,000 faults and ~10 ms at stage 3). So on the CPU the reductions of
 # a schedule take their buffers from a :class:`BufferPool` of flat buffers the size of the
 # largest one, which keeps up to ``keep`` (two: one accumulating, one in flight, as the memory
-# estimate counts them) of those given back and frees the rest. Reductions that
-# completed are polled when a buffer is needed and none is free, so that a finished bucket's
-# buffer serves the next one within the same backward. A buffer goes back only after its
-# reduction was waited for (finish, drop): no collective still reads it. CUDA keeps freed blocks
-# in its caching allocator already, and there the reductions allocate as before.
+# estimate counts them) of those given back and frees the rest. Reductions that completed are
+# polled when a buffer is needed and none is free, so that a finished bucket's buffer serves the
+# next one within the same backward. A buffer goes back only after its reduction was waited for
+# (finish, drop): no collective still reads it. CUDA keeps freed blocks in its caching allocator
+# already, and there the reductions allocate as before.
 class BufferPool:
     """Flat buffers of ``numel`` elements, reused by the reductions of one schedule (see [Note:
     reused gradient buffers])."""
