@@ -96,7 +96,8 @@ class BufferPool:
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
     def give(self, buffer: Tensor) -> None:
-        if len(self.free) < self.keep:
+        # A buffer of another size came from a pool this one replaced (reuse_buffers again).
+        if len(self.free) < self.keep and buffer.numel() == self.numel and buffer.dtype == self.dtype:
             self.free.append(buffer)
 
 
@@ -380,6 +381,7 @@ class ReduceSchedule:
             self.pools.append(pool)
 
     def _poll(self) -> None:
+        """Finishes every reduction whose collective completed."""
         for reduction in self.order:
             reduction.poll()
 
@@ -448,8 +450,7 @@ class ReduceSchedule:
             reduction.ready = True
             self._launch_ready()
             if self.poll_after_launch:
-                for other in self.order:
-                    other.poll()
+                self._poll()
         return True
 
     def _launch_ready(self) -> None:
