@@ -65,7 +65,7 @@ from lightning_zero.strategy import (
     _reset_parameters,
     _resolve_config,
 )
-from lightning_zero.zero.comm import Collectives, CountingCollectives
+from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import agree_before_step, check_same_model
 from lightning_zero.zero.engine import ZeroEngine, make_engine
 from lightning_zero.zero.optimizer import ShardedOptimizer
@@ -483,6 +483,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         if self._engine is not None:
             self._engine.remove_hooks()
             self._engine = None
+        GLOO_HELD.settle()  # see [Note: tensors outlive the gloo worker]
         super().teardown()
 
     @classmethod

@@ -90,7 +90,7 @@ from lightning_zero.parallel.tensor import TensorParallelParams, materialize_ten
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
-from lightning_zero.zero.comm import Collectives, CountingCollectives
+from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import agree_before_step, agree_on_batches, check_same_model
 from lightning_zero.zero.engine import ZeroEngine, make_engine
 from lightning_zero.zero.layout import ParamPiece
@@ -1074,6 +1074,7 @@ class ZeroStrategy(ParallelStrategy):
             self._engine.gather_to_cpu(from_master=restore_fp32)
         if restore_fp32 and self.lightning_module is not None:
             cast_norm_statistics(self.lightning_module, torch.float32)
+        GLOO_HELD.settle()  # see [Note: tensors outlive the gloo worker]
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_on_ranks
-from lightning_zero.zero.comm import CollectiveForms, Collectives, CountingCollectives
+from lightning_zero.zero.comm import GLOO_HELD, CollectiveForms, Collectives, CountingCollectives, HeldTensors
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 CHUNKS = (1, 7, 1001, 524_289)  # elements per rank; the last is above the gloo rule's 512K
@@ -56,7 +56,30 @@ def _compare_forms() -> dict[str, Any]:
         counting.reduce_scatter(torch.empty(5), torch.ones(5 * world)).wait()
         counting.all_gather(torch.empty(5 * world), torch.ones(5)).wait()
         out["counted"].append([(call.op, call.numel) for call in counting.calls])
+    out["held"] = _held_by_every_form(native, alternative, exchange)
     return out
+
+
+def _held_by_every_form(*every: Collectives) -> list[tuple[int, bool, int]]:
+    """Per form and collective: the entries the holder gained when it was issued, whether the held
+    tensors are the collective's own (views of its input or output), and what the holder keeps once
+    it settled after the wait (see [Note: tensors outlive the gloo worker])."""
+    world = dist.get_world_size()
+    seen = []
+    for collectives in every:
+        for issue in ("reduce_scatter", "all_gather"):
+            GLOO_HELD.settle()
+            small, large = torch.randn(3), torch.randn(world * 3)
+            output, input = (small, large) if issue == "reduce_scatter" else (large, small)
+            handle = getattr(collectives, issue)(output, input)
+            entries = [tensors for _, tensors, _ in GLOO_HELD._held]
+            storages = {output.untyped_storage().data_ptr(), input.untyped_storage().data_ptr()}
+            own = all(t.untyped_storage().data_ptr() in storages for tensors in entries for t in tensors)
+            handle.wait()
+            del handle, output, input, small, large
+            GLOO_HELD.settle()
+            seen.append((len(entries), own, len(GLOO_HELD)))
+    return seen
 
 
 def _poll(handle: Any, seconds: float = 30.0) -> bool:
@@ -78,6 +101,7 @@ def test_alternative_forms_give_the_plain_collectives_bits(world: int) -> None:
         assert out["polled"]
         assert out["counted"] == [[("reduce_scatter", 5 * world), ("all_gather", 5 * world)]] * 2
         assert out["rule"] == CollectiveForms.for_backend("gloo")
+        assert out["held"] == [(1, True, 0)] * 6
 
 
 def test_rules_per_backend() -> None:
@@ -91,3 +115,28 @@ def test_rules_per_backend() -> None:
     nccl = CollectiveForms.for_backend("nccl")
     for world in (2, 4):
         assert nccl.reduce_scatter_form(1 << 30, world) == "reduce_scatter" and nccl.all_gather_form(1 << 30, world) == "all_gather"
+
+
+def test_held_tensors_wait_for_every_other_owner_within_an_age() -> None:
+    held = HeldTensors(max_age=3)
+    weights = torch.ones(3, requires_grad=True)
+    with held.holding(weights):
+        graph = (weights * weights).sum()  # the autograd graph owns ``weights`` too, as a work would
+    held.prune()
+    assert len(held) == 1
+    del graph
+    held.prune()
+    assert len(held) == 0
+    # Held no longer than max_age collectives, whoever still owns it.
+    with held.holding(weights):
+        graph = (weights * weights).sum()
+    for _ in range(3):
+        with held.holding(torch.ones(1)):
+            pass
+    held.prune()
+    assert len(held) == 0
+    # settle gives up after its timeout, and lets go of everything.
+    with held.holding(weights):
+        other = (weights * weights).sum()
+    held.settle(timeout=0.05)
+    assert len(held) == 0 and other.requires_grad and graph.requires_grad

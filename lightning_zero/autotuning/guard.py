@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.zero.comm import Collectives, Handle, StepGroups
+from lightning_zero.zero.comm import GLOO_HELD, Collectives, Handle, StepGroups
 
 FINE, FAILED = 0, 1
 
@@ -72,7 +72,8 @@ class TrialGuard:
 
     def _exchange(self, value: int) -> int:
         flag = torch.tensor([value], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        with GLOO_HELD.holding(flag):  # a gloo group (see [Note: tensors outlive the gloo worker])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         self.exchanges += 1
         return int(flag.item())
 

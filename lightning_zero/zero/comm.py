@@ -7,7 +7,10 @@ wrap the object to count exactly what is sent (:class:`CountingCollectives`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import atexit
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -19,6 +22,77 @@ from torch import Tensor
 # torch 2.13 renames the ``*_tensor`` collectives to ``*_single``; older releases only have the former.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# [Note: tensors outlive the gloo worker]
+# gloo runs each collective on a worker thread of its process group, which holds the collective's
+# work, and with it the tensors it was given, until the worker is done with it: a little after the
+# rank's wait() returned, later still when the worker was preempted (2 ranks on 2 cores). When
+# Python let go of such a tensor first (a temporary view, a freed gradient buffer), the tensor's
+# Python object lives on inside it, and the worker that drops the work last must take the GIL to
+# free that object. If the interpreter is finalizing by then, Python ends the worker thread inside
+# a C++ destructor and the process aborts ("terminate called without an active exception", exit
+# 134 after a run that finished: 1 of 10-30 runs of a ZeRO fit through Lightning's launcher, 1 of
+# 10 runs of tests/scripts/collectives_and_exit.py --unheld; pytorch/pytorch#38228, #190489). So
+# every tensor a gloo collective is handed is also held here, by Python, until only this holder is
+# left (the worker then never needs the GIL for it) or 64 collectives later. ``settle`` waits,
+# bounded, for the last ones: at exit (atexit handlers run before the interpreter finalizes) and at
+# the strategy's teardown, which lets go of their memory.
+
+
+# A torch without it cannot tell when gloo let go: its tensors are held ``max_age`` collectives.
+_KNOWS_USE_COUNT = hasattr(Tensor, "_use_count")
+
+
+class HeldTensors:
+    """The tensors of recent gloo collectives, held until no collective work holds them (see
+    [Note: tensors outlive the gloo worker]). A tensor counts as let go once its reference count is
+    back where it was before the collective was issued."""
+
+    def __init__(self, max_age: int = 64) -> None:
+        self.max_age = max_age
+        self._issued = 0
+        self._held: list[tuple[int, tuple[Tensor, ...], tuple[int, ...]]] = []
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @contextlib.contextmanager
+    def holding(self, *tensors: Tensor) -> Iterator[None]:
+        """Holds ``tensors`` beyond the collective issued inside."""
+        counts = tuple(t._use_count() for t in tensors) if _KNOWS_USE_COUNT else ()
+        yield
+        self._issued += 1
+        self.prune()
+        self._held.append((self._issued, tensors, counts))
+
+    @staticmethod
+    def _in_use(tensors: tuple[Tensor, ...], counts: tuple[int, ...]) -> bool:
+        if not _KNOWS_USE_COUNT:
+            return True
+        return any(t._use_count() > count for t, count in zip(tensors, counts))
+
+    def prune(self) -> None:
+        """Lets go of the tensors no work holds any more, and of those held ``max_age`` collectives."""
+        oldest = self._issued - self.max_age
+        self._held = [entry for entry in self._held if entry[0] > oldest and self._in_use(entry[1], entry[2])]
+
+    def settle(self, timeout: float = 2.0) -> None:
+        """Waits (at most ``timeout`` seconds) until no work holds the held tensors, then lets go
+        of every one."""
+        if not _KNOWS_USE_COUNT:
+            timeout = min(timeout, 0.05)  # no way to tell: give the workers a moment
+        deadline = time.monotonic() + timeout
+        self.prune()
+        while self._held and time.monotonic() < deadline:
+            time.sleep(0.001)
+            self.prune()
+        self._held = []
+
+
+GLOO_HELD = HeldTensors()
+# atexit handlers run before the interpreter finalizes: the workers can still take the GIL then.
+atexit.register(GLOO_HELD.settle)
 
 
 class Handle(Protocol):
@@ -218,7 +292,8 @@ class _ReplicaReduction:
             self._scatter.wait()
             # Averaging before the sum, as the shard group's reduction does, keeps fp16/bf16 in range.
             self.output.div_(self._owner.replicas)
-            self._all_reduce = dist.all_reduce(self.output, group=self._owner.replicate_group, async_op=True)
+            with self._owner.holding(self.output):
+                self._all_reduce = dist.all_reduce(self.output, group=self._owner.replicate_group, async_op=True)
 
     @property
     def launched(self) -> bool:
@@ -275,6 +350,7 @@ class Collectives:
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
         self.forms = forms if forms is not None else CollectiveForms.for_backend(self.backend)
+        self._holds = "gloo" in self.backend  # see [Note: tensors outlive the gloo worker]
         self._group_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.replicate_group = replicate_group
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
@@ -302,6 +378,11 @@ class Collectives:
             # reductions only need to agree among themselves.
             self._reduce_group = dist.new_group(ranks=ranks, backend=self.backend, timeout=timeout)
 
+    def holding(self, *tensors: Tensor) -> contextlib.AbstractContextManager[None]:
+        """Holds the tensors of a collective issued inside, on gloo (see [Note: tensors outlive the
+        gloo worker])."""
+        return GLOO_HELD.holding(*tensors) if self._holds else contextlib.nullcontext()
+
     def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
         """Sums ``input`` (shape [world * n]) over ranks; rank r receives elements [r*n, (r+1)*n).
         Under hybrid sharding the sum then spans the replicas too, and is averaged over them."""
@@ -314,14 +395,18 @@ class Collectives:
         elif form == "exchange":
             peer = 1 - self.rank
             splits = _exchange_splits(self.rank, n)
-            work = dist.all_to_all_single(output, input[peer * n:(peer + 1) * n], output_split_sizes=splits,
-                                          input_split_sizes=splits, group=self._reduce_group, async_op=True)
+            to_peer = input[peer * n:(peer + 1) * n]
+            with self.holding(output, to_peer):
+                work = dist.all_to_all_single(output, to_peer, output_split_sizes=splits,
+                                              input_split_sizes=splits, group=self._reduce_group, async_op=True)
             scatter = _FinishedLocally(work, lambda: output.add_(chunk))
         elif form == "all_reduce":
-            work = dist.all_reduce(input, group=self._reduce_group, async_op=True)
+            with self.holding(input):
+                work = dist.all_reduce(input, group=self._reduce_group, async_op=True)
             scatter = _FinishedLocally(work, lambda: output.copy_(chunk))
         else:
-            scatter = _reduce_scatter_single(output, input, group=self._reduce_group, async_op=True)
+            with self.holding(output, input):
+                scatter = _reduce_scatter_single(output, input, group=self._reduce_group, async_op=True)
         if self.replicas == 1:
             return scatter
         reduction = _ReplicaReduction(self, scatter, output)
@@ -351,7 +436,8 @@ class Collectives:
         """Hybrid sharding: the replicas take the first replica's ``tensor`` (initial values)."""
         if self.replicas > 1:
             group = self.replicate_group
-            dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+            with self.holding(tensor):
+                dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
     def all_reduce_step_flags(self, flags: Tensor) -> None:
         """MAX of a step's decision flags over every rank that steps together (see StepGroups):
@@ -361,24 +447,28 @@ class Collectives:
         if group is None:
             self.all_reduce(flags, dist.ReduceOp.MAX)
         elif dist.get_world_size(group) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            with self.holding(flags):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         pipeline = self.step_groups.pipeline
         if pipeline is not None and dist.get_world_size(pipeline) > 1:
             overflow = flags[-1:].clone()
-            dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=pipeline)
+            with self.holding(overflow):
+                dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=pipeline)
             flags[-1:] = overflow
 
     def all_reduce_tensor_parallel(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
         """Reduces partial norms of tensor-parallel shards over the tensor group (if any)."""
         group = self.step_groups.tensor
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(tensor, op=op, group=group)
+            with self.holding(tensor):
+                dist.all_reduce(tensor, op=op, group=group)
 
     def all_reduce_pipeline(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> None:
         """Reduces a stage's partial norm over the pipeline's stages (if any)."""
         group = self.step_groups.pipeline
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(tensor, op=op, group=group)
+            with self.holding(tensor):
+                dist.all_reduce(tensor, op=op, group=group)
 
     def all_gather(self, output: Tensor, input: Tensor) -> Handle:
         """Concatenates every rank's ``input`` (shape [n]) into ``output`` (shape [world * n])."""
@@ -392,23 +482,28 @@ class Collectives:
             slots[self.rank].copy_(input)
         if form == "exchange":
             splits = _exchange_splits(self.rank, n)
-            return dist.all_to_all_single(slots[1 - self.rank], input, output_split_sizes=splits, input_split_sizes=splits,
-                                          group=self.group, async_op=True)
+            with self.holding(slots[1 - self.rank], input):
+                return dist.all_to_all_single(slots[1 - self.rank], input, output_split_sizes=splits,
+                                              input_split_sizes=splits, group=self.group, async_op=True)
         if form == "broadcasts":
-            return _Broadcasts([dist.broadcast(slot, src=self._group_ranks[r], group=self.group, async_op=True)
-                                for r, slot in enumerate(slots)])
-        return _all_gather_single(output, input, group=self.group, async_op=True)
+            with self.holding(*slots):
+                return _Broadcasts([dist.broadcast(slot, src=self._group_ranks[r], group=self.group, async_op=True)
+                                    for r, slot in enumerate(slots)])
+        with self.holding(output, input):
+            return _all_gather_single(output, input, group=self.group, async_op=True)
 
     def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """Blocking all-reduce of a small tensor (norms, flags)."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=op, group=self.group)
+            with self.holding(tensor):
+                dist.all_reduce(tensor, op=op, group=self.group)
 
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> None:
         """Blocking broadcast from the group rank ``src_rank``."""
         if self.world_size > 1:
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank) if self.group else src_rank,
-                           group=self.group)
+            with self.holding(tensor):
+                dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank) if self.group else src_rank,
+                               group=self.group)
 
     def agree(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same count on each), in rank order: a small blocking exchange
@@ -417,7 +512,8 @@ class Collectives:
         if self.world_size == 1:
             return [mine.tolist()]
         every = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
-        _all_gather_single(every, mine, group=self._control_group)
+        with GLOO_HELD.holding(every, mine):  # the control group is gloo's
+            _all_gather_single(every, mine, group=self._control_group)
         return every.view(self.world_size, -1).tolist()
 
     def gather_objects(self, obj: Any) -> list[Any]:
