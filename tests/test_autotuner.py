@@ -181,6 +181,7 @@ def _hugging_face_scenario(tmp: str) -> dict[str, Any]:
                                          space=SearchSpace(micro_batch_sizes=(2, 4), stages=(2, 3), offload=("none",)))
     assert result is not None
     return {"rows": [(r.candidate, r.status.value) for r in result.records], "best": result.best.candidate,
+            "rates": {r.candidate: r.samples_per_sec for r in result.records if r.fits},
             "callbacks": [type(c).__name__ for c in trainer.callbacks], "steps": trainer.global_step}
 
 
@@ -302,6 +303,9 @@ def test_the_written_yaml_trains_when_passed_back_to_lightning_cli(tuned: list[d
 def test_zero_tuner_tunes_a_hugging_face_model(tuned: list[dict[str, Any]]) -> None:
     hf = tuned[0]["hf"]
     assert hf["rows"] == tuned[1]["hf"]["rows"]
-    assert hf["best"].micro_batch_size == 4
     assert all(status == "fits" for _, status in hf["rows"])
+    # Micro-batch 4 fits the budget and is tried first; whether 2 runs faster on 2 shared cores is
+    # a timing question (it did once in CI): the pick is the fastest configuration measured.
+    assert 4 in {candidate.micro_batch_size for candidate, _ in hf["rows"]}
+    assert hf["best"] == max(hf["rates"], key=lambda candidate: hf["rates"][candidate])
     assert "ZeroAutotuner" not in hf["callbacks"] and hf["steps"] == 0  # the tuner's callback is gone again

@@ -48,6 +48,7 @@ def collectives(monkeypatch: pytest.MonkeyPatch) -> tuple[Collectives, list[torc
     fake.replicate_group, fake.step_groups, fake._replica_reductions = None, StepGroups(), []
     fake._reduce_group = fake._control_group = fake.group = None
     fake.forms = CollectiveForms.native()  # the reduce-scatter form, whose handle these tests fake
+    fake._holds = False  # nothing reaches gloo
     return fake, launched
 
 
