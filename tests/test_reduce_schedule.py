@@ -951,8 +951,8 @@ def test_stage_1_keeps_the_bucket_gradients_and_stage_2_frees_them(stage: int) -
         assert not bucket.master_grad.any()
 
 
-@pytest.mark.parametrize("stage", [2])
-def test_stage_2_on_the_cpu_takes_its_gradient_buffers_from_the_pool(stage: int) -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stages_2_and_3_on_the_cpu_take_their_gradient_buffers_from_the_pool(stage: int) -> None:
     """[Note: reused gradient buffers]: the second step's gradients land in buffers the first one
     gave back (no new allocation), and they are still right."""
     sim = _make_rank(stage, 0)
@@ -970,11 +970,8 @@ def test_stage_2_on_the_cpu_takes_its_gradient_buffers_from_the_pool(stage: int)
     _pieces_match(sim, 0, _reference_grads(0, None, steps=(1,)))
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_stages_1_and_3_take_no_pool(stage: int) -> None:
-    """Stage 1 keeps its own buffers; stage 3 allocates its unit gradients as before (pooling them
-    made a finished run abort at exit now and then: see the issue note)."""
-    sim = _make_rank(stage, 0)
+def test_stage_1_keeps_its_own_buffers_and_takes_no_pool() -> None:
+    sim = _make_rank(1, 0)
     assert sim.schedule.pools == [] and all(r.pool is None for r in _reductions_of(sim))
 
 

@@ -27,7 +27,7 @@ stage      parameters          gradients             optimizer state (master + K
   stage 3 it writes the parameter shard itself.
 - stage 3 gathers a unit's parameters whole for its forward and backward: (1 + prefetch) of the
   largest units at once (P each; at most the whole model), and reduces a unit's gradient (R)
-  before it is scattered.
+  before it is scattered (on the CPU two of the largest, kept for reuse).
 
 These are the tensors :func:`~lightning_zero.zero.accounting.model_state_bytes` counts for
 parameters, gradients and optimizer state (the tests compare the two on 2 and 4 ranks); padding
@@ -163,7 +163,10 @@ def estimate_memory(
             0, config.prefetch_bytes // max(1, p_bytes * unit))
         # The unit being computed and those prefetched, but never more than the whole model.
         gathered = min(numel - persistent, unit * (1 + prefetch))
-        device.comm_buffers += p_bytes * gathered + r_bytes * unit
+        # A unit's gradient before it is reduced; on the CPU two of them stay for reuse (one
+        # accumulating, one in flight: see [Note: reused gradient buffers] in zero/reduce.py).
+        reducing = min(numel, 2 * unit) if device_type == "cpu" else unit
+        device.comm_buffers += p_bytes * gathered + r_bytes * reducing
         if config.offload_optimizer is not None and p_bytes < MASTER_BYTES and not shard_on_host \
                 and device_type != "cpu":
             host.comm_buffers += p_bytes * on_host  # rounded parameters written by the CPU step (a shard on the host is its own)

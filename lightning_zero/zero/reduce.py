@@ -63,14 +63,14 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 # [Note: reused gradient buffers]
-# At stage 2 a bucket's local gradient is freed once its reduction lands, so that a rank never
-# holds the whole unreduced gradient for long. On the CPU, torch's allocator hands buffers this
-# large to glibc, which returns the memory at the top of its heap to the OS when it is freed; the
-# next backward faults every page of it back in (measured on the demo GPT on 2 gloo ranks: about
-# 7,500 page faults and 15-20 ms of a 130 ms step, ZeRO-2 slower than ZeRO-1; stage 3 faults
-# 5,000-6,000 times a step for its unit gradients, but is not pooled yet). So on the CPU the
-# reductions of a schedule take their buffers from a :class:`BufferPool` of flat buffers the
-# size of the largest one, which keeps up to ``keep`` (two: one accumulating, one in flight, as the memory
+# At stage 2 a bucket's local gradient is freed once its reduction lands, at stage 3 a unit's, so
+# that a rank never holds the whole unreduced gradient for long. On the CPU, torch's allocator
+# hands buffers this large to glibc, which returns the memory at the top of its heap to the OS
+# when it is freed; the next backward faults every page of it back in (measured on the demo GPT
+# on 2 gloo ranks: about 7,500 page faults and 15-20 ms of a 130 ms step at stage 2, ZeRO-2
+# slower than ZeRO-1; 5,000-6,000 faults and ~10 ms at stage 3). So on the CPU the reductions of
+# a schedule take their buffers from a :class:`BufferPool` of flat buffers the size of the
+# largest one, which keeps up to ``keep`` (two: one accumulating, one in flight, as the memory
 # estimate counts them) of those given back and frees the rest. Reductions that completed are
 # polled when a buffer is needed and none is free, so that a finished bucket's buffer serves the
 # next one within the same backward. A buffer goes back only after its reduction was waited for

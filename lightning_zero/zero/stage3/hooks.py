@@ -151,6 +151,9 @@ class Zero3Hooks:
         launch = [u for u in reversed(self.units) if u.trainable_count and not u.persistent]
         launch += [u for u in self.units if u.trainable_count and u.persistent]
         self.schedule.order = [unit.reduction for unit in launch]
+        # On the CPU the units' local gradients reuse their buffers (see [Note: reused gradient
+        # buffers] in reduce.py).
+        self.schedule.reuse_buffers()
         for sp in self.sharded_params.values():
             if sp.param.requires_grad:
                 self._hook_handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
