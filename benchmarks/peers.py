@@ -24,8 +24,11 @@ Every configuration trains the demo GPT (``examples/gpt/model.py``, through ``st
 builder) on random tokens for ``--warmup + --steps`` optimizer steps in a fresh set of rank
 processes started the way torchrun starts them (``step_time.py``'s launch code). The
 configurations run interleaved, ``--rounds`` times (ddp, ds_stage1, zero1, ds_stage2, zero2, ...
-then again), and each number in the table is the median over the rounds, so that a drift of the
-machine lands on every configuration alike. Measured per configuration:
+in the first round, then in an order shuffled per round with a fixed seed), and each number in the
+table is the median over the rounds, so that a drift of the machine lands on every configuration
+alike. The shuffle is there because a run's place matters: in the fixed order, zero1 ran right
+after the first DeepSpeed run of each round and measured 10-15 ms slower than zero2, while run
+after ddp the two were level (95 against 96 ms). Measured per configuration:
 
 - step ms: median over the measured steps of the slowest rank's ``on_train_batch_start`` ->
   ``on_train_batch_end`` time, as in ``step_time.py``.
@@ -75,6 +78,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -911,7 +915,9 @@ def main(argv: Sequence[str]) -> int:
     cpu_before, started = _cpu_seconds(), time.monotonic()
     runs: dict[str, list[PeerResult]] = {c: [] for c in configs}
     for round_index in range(args.rounds):
-        for config in configs:
+        # The first round in the listed order, the others shuffled (see the module docstring).
+        order = list(configs) if round_index == 0 else random.Random(round_index).sample(configs, len(configs))
+        for config in order:
             previous = runs[config]
             if previous and all(r.error for r in previous):
                 continue  # a configuration that failed once (deepspeed missing, a crash) fails again
