@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import free_port
+from harness import free_port, rank_environment
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_and_exit.py"
 RUNS = int(os.environ.get("LIGHTNING_ZERO_EXIT_RUNS", "3"))
@@ -31,9 +31,7 @@ COLLECTIVES_SCRIPT = Path(__file__).parent / "scripts" / "collectives_and_exit.p
 
 
 def _two_ranks(script: Path, *args: str, port: int) -> list[subprocess.CompletedProcess[str]]:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    ranks = [subprocess.Popen([sys.executable, str(script), *args], env={**env, "RANK": str(rank)},
+    ranks = [subprocess.Popen([sys.executable, str(script), *args], env={**os.environ, **rank_environment(rank, 2, port)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     done = []
     for rank, process in enumerate(ranks):
