@@ -57,7 +57,9 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor, nn
 
-GPT_EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "gpt"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_time import GPT_EXAMPLE_DIR, ModelKnobs, _positive_int  # noqa: E402 - benchmarks/ is not a package
+
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 0.01
 
 
@@ -65,12 +67,7 @@ LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 0.01
 class Knobs:
     """What one process trains and how often (the command line's values)."""
 
-    n_layer: int
-    n_head: int
-    n_embd: int
-    block_size: int
-    vocab_size: int
-    batch_size: int
+    model: ModelKnobs
     shard_of: int
     warmup: int
     steps: int
@@ -97,8 +94,9 @@ class ShardedTrainer:
             sys.path.insert(0, str(GPT_EXAMPLE_DIR))
         from model import GPT  # examples/gpt/model.py
 
-        self.model: nn.Module = GPT(vocab_size=knobs.vocab_size, block_size=knobs.block_size,
-                                    n_layer=knobs.n_layer, n_head=knobs.n_head, n_embd=knobs.n_embd,
+        size = knobs.model
+        self.model: nn.Module = GPT(vocab_size=size.vocab_size, block_size=size.block_size, n_layer=size.n_layer,
+                                    n_head=size.n_head, n_embd=size.n_embd,
                                     max_steps=knobs.warmup + knobs.steps).to(torch.bfloat16)
         params = list(self.model.parameters())  # a tied weight is listed once
         self.numel = sum(p.numel() for p in params)
@@ -118,7 +116,7 @@ class ShardedTrainer:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.staging = torch.empty(shard, dtype=torch.bfloat16)
         self.step_count = 0
-        tokens = torch.randint(0, knobs.vocab_size, (knobs.batch_size, knobs.block_size + 1))
+        tokens = torch.randint(0, size.vocab_size, (size.batch_size, size.block_size + 1))
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
 
     def forward_backward(self, grads: Tensor) -> None:
@@ -212,24 +210,21 @@ def run_layout(knobs: Knobs, processes: int) -> list[ProcessResult]:
 
 def _parse() -> tuple[Knobs, int]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--processes", type=int, default=2, help="processes of the 'ranks' layout, one thread each")
-    parser.add_argument("--shard-of", type=int, default=2, help="a process steps 1/N of the parameters, as one of N ranks")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--vocab-size", type=int, default=65)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--processes", type=_positive_int, default=2, help="processes of the 'ranks' layout, one thread each")
+    parser.add_argument("--shard-of", type=_positive_int, default=2,
+                        help="a process steps 1/N of the parameters, as one of N ranks")
+    parser.add_argument("--n-layer", type=_positive_int, default=4)
+    parser.add_argument("--n-head", type=_positive_int, default=4)
+    parser.add_argument("--n-embd", type=_positive_int, default=256)
+    parser.add_argument("--block-size", type=_positive_int, default=64)
+    parser.add_argument("--vocab-size", type=_positive_int, default=65)
+    parser.add_argument("--batch-size", type=_positive_int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=_positive_int, default=12)
+    parser.add_argument("--rounds", type=_positive_int, default=3)
     args = parser.parse_args()
-    for name in ("processes", "shard_of", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    knobs = Knobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size,
-                  args.shard_of, args.warmup, args.steps, args.rounds)
-    return knobs, args.processes
+    model = ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
+    return Knobs(model, args.shard_of, args.warmup, args.steps, args.rounds), args.processes
 
 
 def main() -> None:
@@ -251,8 +246,8 @@ def main() -> None:
                       f"{slowest['delayed']:.1f}", f"{slowest['delayed'] / slowest['sequential']:.2f}x", f"{ideal:.2f}x")
     console.print(table)
     console.print(
-        f"GPT n_layer={knobs.n_layer} n_embd={knobs.n_embd}, {params / 1e6:.2f} M parameters in bf16, batch"
-        f" {knobs.batch_size} x {knobs.block_size}; Adam over 1/{knobs.shard_of} of them (fp32 master). Medians of"
+        f"GPT n_layer={knobs.model.n_layer} n_embd={knobs.model.n_embd}, {params / 1e6:.2f} M parameters in bf16,"
+        f" batch {knobs.model.batch_size} x {knobs.model.block_size}; Adam over 1/{knobs.shard_of} of them (fp32 master). Medians of"
         f" {knobs.steps} steps after {knobs.warmup}, median over {knobs.rounds} rounds; the slowest process."
         f" {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__};"
         f" {time.perf_counter() - started:.0f} s."
