@@ -58,7 +58,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import GPT_EXAMPLE_DIR, ModelKnobs, _positive_int  # noqa: E402 - benchmarks/ is not a package
+from step_time import GPT_EXAMPLE_DIR, ModelKnobs, _positive_int, add_model_arguments, model_knobs  # noqa: E402 - benchmarks/ is not a package
 
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 0.01
 
@@ -103,7 +103,6 @@ class ShardedTrainer:
         self.flat_params = torch.cat([p.detach().reshape(-1) for p in params])  # [numel] bf16
         # Two gradient buffers: the delayed step reads one while backward fills the other.
         self.flat_grads = [torch.zeros(self.numel, dtype=torch.bfloat16) for _ in range(2)]
-        self._params = params
         offset = 0
         self._views: list[tuple[nn.Parameter, int, int]] = []
         for p in params:
@@ -213,18 +212,12 @@ def _parse() -> tuple[Knobs, int]:
     parser.add_argument("--processes", type=_positive_int, default=2, help="processes of the 'ranks' layout, one thread each")
     parser.add_argument("--shard-of", type=_positive_int, default=2,
                         help="a process steps 1/N of the parameters, as one of N ranks")
-    parser.add_argument("--n-layer", type=_positive_int, default=4)
-    parser.add_argument("--n-head", type=_positive_int, default=4)
-    parser.add_argument("--n-embd", type=_positive_int, default=256)
-    parser.add_argument("--block-size", type=_positive_int, default=64)
-    parser.add_argument("--vocab-size", type=_positive_int, default=65)
-    parser.add_argument("--batch-size", type=_positive_int, default=8)
+    add_model_arguments(parser, batch_size=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=_positive_int, default=12)
     parser.add_argument("--rounds", type=_positive_int, default=3)
     args = parser.parse_args()
-    model = ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
-    return Knobs(model, args.shard_of, args.warmup, args.steps, args.rounds), args.processes
+    return Knobs(model_knobs(args), args.shard_of, args.warmup, args.steps, args.rounds), args.processes
 
 
 def main() -> None:

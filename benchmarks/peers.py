@@ -96,6 +96,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_time  # noqa: E402 - benchmarks/ is not a package: its own directory goes on sys.path first
 from step_time import ModelKnobs, _cpu_seconds, _free_port, _one_line, _positive_int, _rank_environment  # noqa: E402
+from step_time import add_model_arguments, model_knobs  # noqa: E402
 from step_time import _wait_for_ranks, _warn_if_shared, token_loader  # noqa: E402
 
 MiB = 2**20
@@ -876,12 +877,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              " gradients' dtype, bf16 under bf16-mixed)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="cpu: gloo; cuda: nccl, one GPU per rank (untested); auto: cuda with enough GPUs")
-    parser.add_argument("--n-layer", type=_positive_int, default=4)
-    parser.add_argument("--n-head", type=_positive_int, default=4)
-    parser.add_argument("--n-embd", type=_positive_int, default=256)
-    parser.add_argument("--block-size", type=_positive_int, default=64)
-    parser.add_argument("--vocab-size", type=_positive_int, default=65)
-    parser.add_argument("--batch-size", type=_positive_int, default=8, help="samples per rank per step")
+    add_model_arguments(parser, batch_size=8)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per run of a configuration")
@@ -908,7 +904,7 @@ def main(argv: Sequence[str]) -> int:
     configs = [c for c in CONFIGS if c in args.configs or c == BASELINE]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="peers_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    knobs = ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
+    knobs = model_knobs(args)
     device = _default_device(args.world_size) if args.device == "auto" else args.device
     base = PeerSpec(BASELINE, args.world_size, args.warmup, args.steps, args.precision, device, knobs,
                     reduce_dtype=args.reduce_dtype)

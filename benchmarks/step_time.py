@@ -669,6 +669,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, batch_size: int) -> None:
+    """The GPT's size and each rank's batch (see :class:`ModelKnobs`), as every benchmark on the
+    demo GPT takes them; :func:`model_knobs` reads them back."""
+    parser.add_argument("--n-layer", type=_positive_int, default=4)
+    parser.add_argument("--n-head", type=_positive_int, default=4)
+    parser.add_argument("--n-embd", type=_positive_int, default=256)
+    parser.add_argument("--block-size", type=_positive_int, default=64)
+    parser.add_argument("--vocab-size", type=_positive_int, default=65)
+    parser.add_argument("--batch-size", type=_positive_int, default=batch_size, help="samples per rank per step")
+
+
+def model_knobs(args: argparse.Namespace) -> ModelKnobs:
+    """The :class:`ModelKnobs` of arguments declared by :func:`add_model_arguments`."""
+    return ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -683,12 +699,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=list(STRATEGIES),
         help=f"subset to run; {BASELINE} is always run too, as the reference for the ratios",
     )
-    parser.add_argument("--n-layer", type=_positive_int, default=4)
-    parser.add_argument("--n-head", type=_positive_int, default=4)
-    parser.add_argument("--n-embd", type=_positive_int, default=256)
-    parser.add_argument("--block-size", type=_positive_int, default=64)
-    parser.add_argument("--vocab-size", type=_positive_int, default=65)
-    parser.add_argument("--batch-size", type=_positive_int, default=16, help="samples per rank per step")
+    add_model_arguments(parser, batch_size=16)
     parser.add_argument(
         "--bucket-size",
         type=_positive_int,
@@ -723,7 +734,7 @@ def main(argv: Sequence[str]) -> int:
     strategies = [name for name in STRATEGIES + EXTRA_STRATEGIES if name in args.strategies or name == BASELINE]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="step_time_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    knobs = ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
+    knobs = model_knobs(args)
     cpu_before = _cpu_seconds()
     started = time.monotonic()
     results: list[StrategyResult] = []
