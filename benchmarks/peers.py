@@ -1,7 +1,7 @@
 """lightning_zero against its peers: DDP, Lightning's DeepSpeedStrategy and FSDP2, on the same GPT.
 
     python benchmarks/peers.py --quick                   # smoke run: tiny model, 3 steps, one round
-    python benchmarks/peers.py                           # all, 2 gloo ranks, 2 rounds: about 6 min on 2 cores
+    python benchmarks/peers.py                           # all, 2 gloo ranks, 2 rounds: about 8 min on 2 cores
     python benchmarks/peers.py --configs ds_stage2 zero2 --rounds 3 --precision 32-true
 
 Configurations (``ddp`` always runs: every ratio is to DDP measured in the same run):
@@ -28,7 +28,10 @@ in the first round, then in an order shuffled per round with a fixed seed), and 
 table is the median over the rounds, so that a drift of the machine lands on every configuration
 alike. The shuffle is there because a run's place matters: in the fixed order, zero1 ran right
 after the first DeepSpeed run of each round and measured 10-15 ms slower than zero2, while run
-after ddp the two were level (95 against 96 ms). Measured per configuration:
+after ddp the two were level (95 against 96 ms). Below the table, each of ours over its DeepSpeed
+counterpart round by round (the median and range of those ratios): on this machine the step of
+every configuration moves by 20% and more from one round to the next, and that spread says how far
+the ratio of the medians can be trusted. Measured per configuration:
 
 - step ms: median over the measured steps of the slowest rank's ``on_train_batch_start`` ->
   ``on_train_batch_end`` time, as in ``step_time.py``.
@@ -762,7 +765,27 @@ def _mib(value: float | None) -> str:
     return "—" if value is None else f"{value / MiB:.1f}"
 
 
-def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, command: str, wall_s: float) -> str:
+def paired_ratios(runs: dict[str, list[PeerResult]]) -> dict[str, list[float]]:
+    """Per configuration of ours: its step over its DeepSpeed counterpart's in each round both ran.
+    Both run within minutes of each other in a round, so a drift of the machine over the run cancels
+    out of these more than out of the ratio of the medians over rounds."""
+    paired: dict[str, list[float]] = {}
+    for config, counterpart in COUNTERPART.items():
+        ratios = [ours.median_step_s / theirs.median_step_s
+                  for ours, theirs in zip(runs.get(config, []), runs.get(counterpart, []))
+                  if ours.median_step_s and theirs.median_step_s]
+        if ratios:
+            paired[config] = ratios
+    return paired
+
+
+def _paired_line(paired: dict[str, list[float]]) -> str:
+    parts = [f"{config} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for config, r in paired.items()]
+    return "x DeepSpeed round by round (median, range): " + "; ".join(parts) + "." if parts else ""
+
+
+def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, command: str, wall_s: float,
+                   paired: dict[str, list[float]] | None = None) -> str:
     baseline = next((r for r in results if r.config == BASELINE and r.error is None), None)
     ran = next((r for r in results if r.error is None), None)
     knobs = spec.model
@@ -805,6 +828,7 @@ def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, c
         "step: the slowest rank's; RSS, state and comm: the largest rank's. state: held just before the last"
         " optimizer step. wire: bytes written to sockets; payload: bytes handed to torch.distributed collectives;"
         " collectives/step: calls of them (beyond 2 ranks, our gloo all-gathers count one broadcast per rank).",
+        *([_paired_line(paired)] if paired else []),
         f"`{command}` ({wall_s:.0f} s, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_machine()})",
     ]
     return "\n".join(lines)
@@ -867,7 +891,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), metavar="CONFIG",
                         help=f"subset of {', '.join(CONFIGS)}; {BASELINE} always runs too, as the reference for the ratios")
-    parser.add_argument("--steps", type=_positive_int, default=8, help="measured optimizer steps per run")
+    # 20, not fewer: a run is over in seconds, and a stall of the machine lasting one would be most of it.
+    parser.add_argument("--steps", type=_positive_int, default=20, help="measured optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps run first and not measured")
     parser.add_argument("--rounds", type=_positive_int, default=2, help="interleaved repeats of every configuration")
     parser.add_argument("--world-size", type=_positive_int, default=2)
@@ -925,7 +950,7 @@ def main(argv: Sequence[str]) -> int:
     results = [_over_rounds(c, runs[c]) for c in configs]
     wall_s = time.monotonic() - started
     command = " ".join(["python benchmarks/peers.py", *argv])
-    table = markdown_table(results, base, args.rounds, command, wall_s)
+    table = markdown_table(results, base, args.rounds, command, wall_s, paired_ratios(runs))
     print(table)
     if args.markdown is not None:
         args.markdown.write_text(table + "\n")

@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -118,3 +119,17 @@ class TiedGPT(TinyGPT):
         for block in self.blocks:
             hidden = block(hidden)
         return self.head(self.norm(hidden))
+
+
+class RankDependentNet(nn.Module):
+    """An MLP with a second head that only rank 0 uses: rank 1 gets no gradient for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 3))
+        self.unused_on_rank_1 = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.body(x)
+        return out + self.unused_on_rank_1(x) if dist.get_rank() == 0 else out

@@ -20,14 +20,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from harness import run_on_ranks
 from lightning_zero import Collectives, CPUOffloadPolicy, ZeroConfig, ZeroStrategy
 from lightning_zero.zero.engine import make_engine
 from lightning_zero.zero.flat import FlatLayout
 from lightning_zero.zero.optimizer import SyncState
-from models import TinyGPT, fit, params_of
+from models import RankDependentNet, TinyGPT, fit, params_of
 
 WORLD = 2
 STEPS = 3
@@ -88,21 +88,9 @@ def counting_landings() -> Iterator[list[int]]:
         FlatLayout.land_step_publish = original  # type: ignore[method-assign]
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 3))
-        self.unused_on_rank_1 = nn.Linear(6, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.body(x)
-        return out + self.unused_on_rank_1(x) if dist.get_rank() == 0 else out
-
-
 def _engine_run(keywords: dict[str, Any], make_optimizer: Callable[[Groups], torch.optim.Optimizer], overlap: bool,
                 dtype: torch.dtype) -> dict[str, Any]:
-    model = _Net()
+    model = RankDependentNet()
     config = ZeroConfig(reduce_bucket_size=500, overlap_step=overlap, **keywords)
     param_dtype = None if dtype == torch.float32 else dtype
     engine = make_engine(model, Collectives(), config, param_dtype, torch.device("cpu"))

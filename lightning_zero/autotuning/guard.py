@@ -128,9 +128,10 @@ class GuardedCollectives(Collectives):
         super().__init__(group=group, step_groups=step_groups)
         self.guard = guard
 
-    def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
+    def reduce_scatter(self, output: Tensor, input: Tensor, *, average: bool = False,
+                       exact_in: torch.dtype | None = None) -> Handle:
         self.guard.check()
-        return super().reduce_scatter(output, input)
+        return super().reduce_scatter(output, input, average=average, exact_in=exact_in)
 
     def broadcast_to_replicas(self, tensor: Tensor) -> None:
         self.guard.check()
