@@ -118,14 +118,9 @@ def _cases() -> dict[str, Any]:
     return {"engine": engine, "trainer": trainer}
 
 
-_RUNS: list[dict[str, Any]] = []
-
-
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    if not _RUNS:
-        _RUNS.extend(run_on_ranks(_cases, WORLD))
-    return _RUNS
+    return run_on_ranks(_cases, WORLD)
 
 
 def _identical(a: Any, b: Any) -> bool:
