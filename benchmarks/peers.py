@@ -781,7 +781,7 @@ def paired_ratios(runs: dict[str, list[PeerResult]]) -> dict[str, list[float]]:
 
 def _paired_line(paired: dict[str, list[float]]) -> str:
     parts = [f"{config} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for config, r in paired.items()]
-    return "x DeepSpeed round by round (median, range): " + "; ".join(parts) + "." if parts else ""
+    return "x DeepSpeed round by round (median, range): " + "; ".join(parts) + "."
 
 
 def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, command: str, wall_s: float,

@@ -23,7 +23,7 @@ from harness import run_on_ranks
 from lightning_zero import Collectives, CPUOffloadPolicy, ZeroConfig, ZeroStrategy
 from lightning_zero.zero.engine import make_engine
 from lightning_zero.zero.reduce import Reduction
-from models import RankDependentNet, TinyGPT, fit, params_of
+from models import RankDependentNet, TinyGPT, assert_identical, engine_snapshot, fit, params_of
 
 WORLD = 2
 STEPS = 3
@@ -86,13 +86,7 @@ def _engine_run(keywords: dict[str, Any], dtype: torch.dtype, accumulate: bool, 
             (loss * scale if step == 1 else loss).backward()
             optimizer.step()
             optimizer.zero_grad()
-    out = {
-        "params": [p.detach().clone() for p in model.parameters()],
-        "masters": [piece.master.detach().clone() for piece in optimizer.param_pieces()],
-        "state": [{k: v.clone() for k, v in state.items()} for state in optimizer.state.values()],
-        "sent": sorted({str(d) for d in sent}),
-        "buckets": len(list(optimizer.layout.buckets)),
-    }
+    out = {**engine_snapshot(model, optimizer), "sent": sorted({str(d) for d in sent})}
     engine.remove_hooks()
     return out
 
@@ -123,14 +117,6 @@ def runs() -> list[dict[str, Any]]:
     return run_on_ranks(_cases, WORLD)
 
 
-def _identical(a: Any, b: Any) -> bool:
-    if isinstance(a, Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
-    return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
-
-
 @pytest.mark.parametrize("accumulate", [False, True], ids=["one_backward", "accumulated"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -140,7 +126,7 @@ def test_the_narrow_wire_trains_to_the_same_bits(runs: list[dict[str, Any]], nam
         narrow, wide = run["engine"][(name, dtype, accumulate, True)], run["engine"][(name, dtype, accumulate, False)]
         assert narrow["buckets"] > 2
         for what in ("params", "masters", "state"):
-            assert _identical(narrow[what], wide[what]), what
+            assert_identical(narrow[what], wide[what], what)
         # The reductions go in fp32 unless the wire may be narrow and nothing was accumulated.
         assert wide["sent"] == ["torch.float32"]
         assert narrow["sent"] == (["torch.float32"] if accumulate else [str(dtype)])
@@ -151,7 +137,7 @@ def test_the_narrow_wire_through_the_trainer(runs: list[dict[str, Any]]) -> None
         trainer = run["trainer"]
         for accumulate in (1, 2):
             narrow, wide = trainer[(True, accumulate)], trainer[(False, accumulate)]
-            assert _identical(narrow["params"], wide["params"])
+            assert_identical(narrow["params"], wide["params"], f"accumulate {accumulate}")
             assert wide["sent"] == ["torch.float32"]
         assert trainer[(True, 1)]["sent"] == ["torch.bfloat16"]
         # Accumulated over the window, the sum is no bf16 number: it goes in fp32.

@@ -147,7 +147,7 @@ class _Done:
 # peer's half of the input. The caller says which narrow dtype holds its values (``exact_in``): a
 # Reduction knows it from how its bucket was written (``Reduction.exact_in``). The other forms sum
 # inside the collective, and keep the input's dtype.
-def _narrower(exact_in: torch.dtype, dtype: torch.dtype) -> bool:
+def narrower_float(exact_in: torch.dtype, dtype: torch.dtype) -> bool:
     """Whether values of ``dtype`` known to be exact in ``exact_in`` may travel in it instead."""
     return exact_in.is_floating_point and dtype.is_floating_point and exact_in.itemsize < dtype.itemsize
 
@@ -415,7 +415,7 @@ class Collectives:
         n = output.numel()
         form = self.forms.reduce_scatter_form(n, self.world_size) if self.world_size > 1 else "local"
         chunk = input[self.rank * n:(self.rank + 1) * n]
-        if form == "exchange" and exact_in is not None and _narrower(exact_in, input.dtype):
+        if form == "exchange" and exact_in is not None and narrower_float(exact_in, input.dtype):
             scatter: Handle = self._exchange_narrow(output, input, chunk, exact_in, average)
             return scatter if self.replicas == 1 else self._across_replicas(scatter, output)
         if average and self.world_size > 1:

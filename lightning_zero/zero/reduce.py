@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
+from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle, narrower_float
 from lightning_zero.zero.layout import Range, rank_chunk
 
 
@@ -249,7 +249,7 @@ class Reduction:
         if self._copied_from is None or len(self._copied_from) != 1:
             return None
         (dtype,) = self._copied_from
-        return dtype if dtype.is_floating_point and dtype.itemsize < self.dtype.itemsize else None
+        return dtype if narrower_float(dtype, self.dtype) else None
 
     def _clear_unwritten(self) -> None:
         """Zeroes the parts no gradient reached since the buffer was cleared, and the padding."""
