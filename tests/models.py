@@ -6,7 +6,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -119,42 +118,3 @@ class TiedGPT(TinyGPT):
         for block in self.blocks:
             hidden = block(hidden)
         return self.head(self.norm(hidden))
-
-
-class RankDependentNet(nn.Module):
-    """An MLP with a second head that only rank 0 uses: rank 1 gets no gradient for it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 3))
-        self.unused_on_rank_1 = nn.Linear(6, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.body(x)
-        return out + self.unused_on_rank_1(x) if dist.get_rank() == 0 else out
-
-
-def engine_snapshot(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """Copies of what a run of the engine leaves: parameters, master pieces, optimizer state, and
-    the number of buckets (stages 1/2)."""
-    return {
-        "params": [p.detach().clone() for p in model.parameters()],
-        "masters": [piece.master.detach().clone() for piece in optimizer.param_pieces()],
-        "state": [{k: v.clone() for k, v in state.items()} for state in optimizer.state.values()],
-        "buckets": len(list(optimizer.layout.buckets)),
-    }
-
-
-def assert_identical(a: Any, b: Any, what: str) -> None:
-    """Tensors, or dicts and sequences of them, equal bit for bit; ``what`` names the first that is not."""
-    if isinstance(a, Tensor):
-        assert torch.equal(a, b), what
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for key in a:
-            assert_identical(a[key], b[key], f"{what} {key}")
-    else:
-        assert len(a) == len(b), what
-        for index, (x, y) in enumerate(zip(a, b)):
-            assert_identical(x, y, f"{what}[{index}]")

@@ -1,8 +1,7 @@
 """The forms a sharded collective can take ([Note: collective forms] in zero/comm.py): reduce-scatter
 as all-reduce plus a local copy, all-gather as one broadcast per rank, and both as one exchange
 between two ranks, give the same bits as the plain collectives, on 2 and 4 gloo ranks, for odd
-sizes and every dtype; so does the exchange that sends values exact in a narrower dtype in it
-([Note: exact on the wire])."""
+sizes and every dtype."""
 
 from __future__ import annotations
 
@@ -58,58 +57,7 @@ def _compare_forms() -> dict[str, Any]:
         counting.all_gather(torch.empty(5 * world), torch.ones(5)).wait()
         out["counted"].append([(call.op, call.numel) for call in counting.calls])
     out["held"] = _held_by_every_form(native, alternative, exchange)
-    out["narrow"] = _compare_narrow_exchange(native, exchange, by_rule)
     return out
-
-
-def _exact_values(narrow: torch.dtype, wide: torch.dtype, numel: int, seed: int) -> torch.Tensor:
-    """``numel`` values of dtype ``wide`` that ``narrow`` holds exactly: random ones and, at the
-    front, the edges of ``narrow``'s range (its smallest subnormal, a subnormal with two bits, its
-    largest finite value, zeros of both signs)."""
-    generator = torch.Generator().manual_seed(seed)
-    values = (torch.randn(numel, generator=generator) * 3).to(narrow)
-    info = torch.finfo(narrow)
-    edges = torch.tensor([info.smallest_normal * info.eps, 3 * info.smallest_normal * info.eps, info.max / 4, 0.0, -0.0])
-    front = min(numel, edges.numel())
-    values[:front] = edges[:front].to(narrow)
-    return values.to(wide)
-
-
-def _compare_narrow_exchange(native: Collectives, exchange: Collectives, by_rule: Collectives) -> dict[str, Any]:
-    """[Note: exact on the wire]: averaged reduce-scatters of inputs exact in a narrower dtype give
-    the native form's bits when told so (``exact_in``), and the two-rank exchange then sends that
-    dtype."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sent: list[torch.dtype] = []
-    original = dist.all_to_all_single
-
-    def recording(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        sent.append(input.dtype)
-        return original(output, input, *args, **kwargs)
-
-    mismatches, cases = [], 0
-    dist.all_to_all_single = recording  # type: ignore[assignment]
-    try:
-        for narrow, wide in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float64)):
-            for chunk in (1, 7, 1001, 524_289):
-                grad = _exact_values(narrow, wide, world * chunk, seed=1000 * rank + chunk)
-                plain = torch.full((chunk,), float("nan"), dtype=wide)
-                native.reduce_scatter(plain, grad.clone(), average=True).wait()
-                for name, collectives in (("exchange", exchange), ("rule", by_rule)):
-                    output = torch.full((chunk,), float("nan"), dtype=wide)
-                    collectives.reduce_scatter(output, grad.clone(), average=True, exact_in=narrow).wait()
-                    if not torch.equal(output, plain) or output.signbit().tolist() != plain.signbit().tolist():
-                        mismatches.append((name, str(narrow), chunk))
-                cases += 1
-    finally:
-        dist.all_to_all_single = original  # type: ignore[assignment]
-    # Averaged, the native form divides before the sum: what a caller dividing first got.
-    grad = _exact_values(torch.bfloat16, torch.float32, world * 5, seed=rank)
-    averaged, divided_first = torch.empty(5), torch.empty(5)
-    native.reduce_scatter(averaged, grad.clone(), average=True).wait()
-    native.reduce_scatter(divided_first, grad / world).wait()
-    return {"mismatches": mismatches, "cases": cases, "wire": sorted({str(dtype) for dtype in sent}),
-            "divides_first": torch.equal(averaged, divided_first)}
 
 
 def _held_by_every_form(*every: Collectives) -> list[tuple[int, bool, int]]:
@@ -154,10 +102,6 @@ def test_alternative_forms_give_the_plain_collectives_bits(world: int) -> None:
         assert out["counted"] == [[("reduce_scatter", 5 * world), ("all_gather", 5 * world)]] * 2
         assert out["rule"] == CollectiveForms.for_backend("gloo")
         assert out["held"] == [(1, True, 0)] * 6
-        narrow = out["narrow"]
-        assert narrow["cases"] == 12 and narrow["mismatches"] == [] and narrow["divides_first"]
-        # Two ranks exchange in the narrow dtypes; more ranks sum inside gloo, in the input's dtype.
-        assert narrow["wire"] == (["torch.bfloat16", "torch.float16", "torch.float32"] if world == 2 else [])
 
 
 def test_rules_per_backend() -> None:

@@ -97,7 +97,6 @@ class FakeCollectives:
         self.pending = pending
         self.calls: list[Call] = []
         self.handles: list[DoneHandle | PendingHandle] = []
-        self.exact_in: list[torch.dtype | None] = []  # what each reduce-scatter was told (see Reduction.exact_in)
 
     # ---- what the tests read
     def of(self, op: str) -> list[Call]:
@@ -117,11 +116,7 @@ class FakeCollectives:
         self.handles.append(handle)
         return handle
 
-    def reduce_scatter(self, output: Tensor, input: Tensor, *, average: bool = False,
-                       exact_in: torch.dtype | None = None) -> DoneHandle | PendingHandle:
-        if average:
-            input.div_(self.world_size)
-        self.exact_in.append(exact_in)
+    def reduce_scatter(self, output: Tensor, input: Tensor) -> DoneHandle | PendingHandle:
         number = len(self.of(RS))
         sent = self._record(RS, input)
         total = sent + self.peer(number, sent).to(sent.dtype) if self.world_size > 1 else sent
@@ -912,8 +907,8 @@ def test_offload_polls_finished_bucket_reductions_during_backward() -> None:
     first_done = {"released": False}
     original = sim.fake.reduce_scatter
 
-    def reduce_scatter(output: Tensor, input: Tensor, **how: Any) -> DoneHandle | PendingHandle:
-        handle = original(output, input, **how)
+    def reduce_scatter(output: Tensor, input: Tensor) -> DoneHandle | PendingHandle:
+        handle = original(output, input)
         if not first_done["released"]:  # the first bucket's collective completes at once
             assert isinstance(handle, PendingHandle)
             handle.release()
@@ -1122,68 +1117,3 @@ def test_parts_are_written_first_and_what_no_gradient_reached_is_sent_as_zeros(k
     # local_grad() (the generic path) hands out a buffer whose unwritten parts are zeros.
     reduction.add_to_part(0, torch.ones(4))
     assert torch.equal(reduction.local_grad(), torch.tensor([0.0, 0, 0, 1, 1, 1, 1, 0]))
-
-
-@pytest.mark.parametrize("keep_buffer", [True, False])
-def test_a_bucket_of_copied_bf16_gradients_tells_the_collective_they_are_exact_in_bf16(keep_buffer: bool) -> None:
-    """[Note: exact on the wire]: while every part holds one copied bf16 (fp16) gradient, or zeros,
-    the reduction passes that dtype as ``exact_in``; a value added to another (a second micro-step,
-    the generic ``local_grad()``) or gradients in the reduction's own dtype or in two dtypes pass
-    None. After each reduction the buffer starts afresh."""
-    fake = FakeCollectives()
-    reduction = Reduction("P", 4, fake.world_size, fake.rank, torch.float32, CPU, keep_buffer=keep_buffer,
-                          expected_grads=2)
-    reduction.master_grad = torch.zeros(4)
-    reduction.set_parts([Range(3, 7), Range(0, 3)])
-
-    def reduce(*grads: tuple[int, Tensor]) -> torch.dtype | None:
-        for part, grad in grads:
-            reduction.add_to_part(part, grad)
-        reduction.start(fake)
-        reduction.finish()
-        return fake.exact_in[-1]
-
-    bf16, fp16 = torch.bfloat16, torch.float16
-    assert reduce((0, torch.ones(4, dtype=bf16)), (1, torch.ones(3, dtype=bf16))) == bf16
-    assert reduce((1, torch.ones(3, dtype=fp16))) == fp16  # part 0 unwritten: zeros are exact
-    assert reduce() is None  # nothing copied: no narrower dtype claimed
-    assert reduce((0, torch.ones(4, dtype=bf16)), (0, torch.ones(4, dtype=bf16))) is None  # added
-    assert reduce((0, torch.ones(4, dtype=bf16)), (1, torch.ones(3, dtype=fp16))) is None  # two dtypes
-    assert reduce((0, torch.ones(4)), (1, torch.ones(3))) is None  # fp32 into fp32: nothing narrower
-    assert reduce((0, torch.ones(4, dtype=bf16))) == bf16  # afresh after each reduction
-    reduction.add_to_part(0, torch.ones(4, dtype=bf16))
-    reduction.local_grad().add_(0.1)  # the generic path may add anything
-    reduction.start(fake)
-    reduction.finish()
-    assert fake.exact_in[-1] is None
-    assert reduce((1, torch.ones(3, dtype=bf16))) == bf16
-    # A bf16 reduction (reduce_dtype bf16) of bf16 gradients has nothing narrower to send.
-    narrow = Reduction("Q", 4, fake.world_size, fake.rank, bf16, CPU, keep_buffer=keep_buffer, expected_grads=1)
-    narrow.master_grad = torch.zeros(4)
-    narrow.set_parts([Range(0, 8)])
-    narrow.add_to_part(0, torch.ones(8, dtype=bf16))
-    narrow.start(fake)
-    narrow.finish()
-    assert fake.exact_in[-1] is None
-
-
-def test_accumulated_micro_steps_are_not_exact_in_the_gradients_dtype() -> None:
-    """Gradient accumulation under no_sync adds the second micro-step's bf16 gradients to the
-    first's in fp32: the sum is no bf16 number, so the reduction claims no narrower dtype; a
-    synchronized backward alone does."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).to(torch.bfloat16)
-    fake = FakeCollectives()
-    optimizer = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, fake,  # type: ignore[arg-type]
-                              ZeroConfig(stage=2, reduce_bucket_size=16))
-    data = torch.randn(3, 4, dtype=torch.bfloat16)
-    with optimizer.no_sync():
-        model(data).float().sum().backward()
-    model(data).float().sum().backward()
-    optimizer.finish_grad_sync()
-    assert fake.exact_in and all(dtype is None for dtype in fake.exact_in)
-    fake.exact_in.clear()
-    optimizer.zero_grad()
-    model(data).float().sum().backward()
-    optimizer.finish_grad_sync()
-    assert fake.exact_in and all(dtype == torch.bfloat16 for dtype in fake.exact_in)

@@ -128,10 +128,9 @@ class GuardedCollectives(Collectives):
         super().__init__(group=group, step_groups=step_groups)
         self.guard = guard
 
-    def reduce_scatter(self, output: Tensor, input: Tensor, *, average: bool = False,
-                       exact_in: torch.dtype | None = None) -> Handle:
+    def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
         self.guard.check()
-        return super().reduce_scatter(output, input, average=average, exact_in=exact_in)
+        return super().reduce_scatter(output, input)
 
     def broadcast_to_replicas(self, tensor: Tensor) -> None:
         self.guard.check()

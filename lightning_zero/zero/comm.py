@@ -134,24 +134,6 @@ class _Done:
 # volume of a reduce-scatter or an all-gather whichever form carried it.
 
 
-# [Note: exact on the wire]
-# A bf16 or fp16 model's gradients are copied into fp32 buckets and reduced in fp32 by default.
-# Until two of them are added up (a second micro-step under no_sync, a parameter reached twice),
-# every value in such a bucket is still exactly a bf16 (fp16) number, and the exchange between two
-# ranks moves values unsummed: it then sends the peer's chunk in that narrow dtype, half the bytes,
-# and the sum is taken in fp32 on arrival. The averaging moves with it: the peer's values go out
-# undivided and are halved after the upcast (dividing first and then rounding to bf16 would not be
-# exact for the smallest values), and halving is exact in fp32 for every bf16 or fp16 value,
-# subnormals included, so the result is the fp32 exchange's, bit for bit (c/2 + r/2 either way).
-# No buffer is added: the narrow chunk is sent from the output's memory and received over the
-# peer's half of the input. The caller says which narrow dtype holds its values (``exact_in``): a
-# Reduction knows it from how its bucket was written (``Reduction.exact_in``). The other forms sum
-# inside the collective, and keep the input's dtype.
-def narrower_float(exact_in: torch.dtype, dtype: torch.dtype) -> bool:
-    """Whether values of ``dtype`` known to be exact in ``exact_in`` may travel in it instead."""
-    return exact_in.is_floating_point and dtype.is_floating_point and exact_in.itemsize < dtype.itemsize
-
-
 @dataclass(frozen=True)
 class CollectiveForms:
     """Which form the sharded collectives take (see [Note: collective forms]).
@@ -401,28 +383,15 @@ class Collectives:
         gloo worker])."""
         return GLOO_HELD.holding(*tensors) if self._holds else contextlib.nullcontext()
 
-    def reduce_scatter(self, output: Tensor, input: Tensor, *, average: bool = False,
-                       exact_in: torch.dtype | None = None) -> Handle:
+    def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
         """Sums ``input`` (shape [world * n]) over ranks; rank r receives elements [r*n, (r+1)*n).
-        Under hybrid sharding the sum then spans the replicas too, and is averaged over them.
-
-        ``average``: the sum is the mean; every rank's input is divided by the world size before the
-        sum (in place), as DDP does, which keeps fp16/bf16 sums in range. ``exact_in``: a dtype
-        narrower than ``input``'s that holds each of its values exactly; the exchange then sends
-        them in it (see [Note: exact on the wire]). ``input`` is the caller's no more: it is
-        overwritten (the all-reduce form, the narrow exchange) or divided in place.
-        """
+        Under hybrid sharding the sum then spans the replicas too, and is averaged over them."""
         n = output.numel()
         form = self.forms.reduce_scatter_form(n, self.world_size) if self.world_size > 1 else "local"
         chunk = input[self.rank * n:(self.rank + 1) * n]
-        if form == "exchange" and exact_in is not None and narrower_float(exact_in, input.dtype):
-            scatter: Handle = self._exchange_narrow(output, input, chunk, exact_in, average)
-            return scatter if self.replicas == 1 else self._across_replicas(scatter, output)
-        if average and self.world_size > 1:
-            input.div_(self.world_size)
         if form == "local":
             output.copy_(input)
-            scatter = _Done()
+            scatter: Handle = _Done()
         elif form == "exchange":
             peer = 1 - self.rank
             splits = _exchange_splits(self.rank, n)
@@ -438,30 +407,8 @@ class Collectives:
         else:
             with self.holding(output, input):
                 scatter = _reduce_scatter_single(output, input, group=self._reduce_group, async_op=True)
-        return scatter if self.replicas == 1 else self._across_replicas(scatter, output)
-
-    def _exchange_narrow(self, output: Tensor, input: Tensor, chunk: Tensor, wire: torch.dtype,
-                         average: bool) -> Handle:
-        """The two-rank exchange with the peer's chunk sent in ``wire`` (see [Note: exact on the wire]).
-        It needs no buffer of its own: the narrow chunk goes out from the front of ``output``'s memory
-        (written only once the exchange is over) and comes in over the front of the peer's chunk of
-        ``input`` (read only before the exchange starts)."""
-        n = output.numel()
-        peer = 1 - self.rank
-        splits = _exchange_splits(self.rank, n)
-        to_peer = input[peer * n:(peer + 1) * n]
-        send, received = output.view(wire)[:n], to_peer.view(wire)[:n]
-        send.copy_(to_peer)  # exact: no rounding
-        scale = 1.0
-        if average:
-            chunk.div_(self.world_size)
-            scale = 1.0 / self.world_size  # a power of two: scaling the upcast peer values is exact
-        with self.holding(received, send):
-            work = dist.all_to_all_single(received, send, output_split_sizes=splits,
-                                          input_split_sizes=splits, group=self._reduce_group, async_op=True)
-        return _FinishedLocally(work, lambda: torch.add(chunk, received, alpha=scale, out=output))
-
-    def _across_replicas(self, scatter: Handle, output: Tensor) -> Handle:
+        if self.replicas == 1:
+            return scatter
         reduction = _ReplicaReduction(self, scatter, output)
         if "nccl" in self.backend:
             # On NCCL wait() only orders the streams: launching now costs the host nothing, and every
@@ -616,12 +563,11 @@ class CountingCollectives:
     def step_groups(self) -> StepGroups:
         return self.inner.step_groups
 
-    def reduce_scatter(self, output: Tensor, input: Tensor, *, average: bool = False,
-                       exact_in: torch.dtype | None = None) -> Handle:
+    def reduce_scatter(self, output: Tensor, input: Tensor) -> Handle:
         self.calls.append(CollectiveCall("reduce_scatter", input.numel(), input.dtype))
         if self.inner.replicas > 1:  # the traffic that crosses shard groups (nodes)
             self.calls.append(CollectiveCall("replica_all_reduce", output.numel(), output.dtype))
-        return self.inner.reduce_scatter(output, input, average=average, exact_in=exact_in)
+        return self.inner.reduce_scatter(output, input)
 
     def broadcast_to_replicas(self, tensor: Tensor) -> None:
         if self.inner.replicas > 1:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle, narrower_float
+from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
 from lightning_zero.zero.layout import Range, rank_chunk
 
 
@@ -158,9 +158,6 @@ class Reduction:
         self._parts: list[Range] = []
         self._parts_end = 0  # where the last part ends: the padding follows
         self._written: list[bool] = []
-        # The dtypes of the gradients copied into the buffer since it was last cleared; None once a
-        # value was added to another (no narrower dtype then holds it exactly), see exact_in.
-        self._copied_from: set[torch.dtype] | None = set()
         # Offload from a CUDA device (see [Note: landing on the host]): the pinned host copy of the
         # reduced chunk, reused every step, and the event its copy recorded while in flight.
         self._landing: Tensor | None = None
@@ -182,7 +179,6 @@ class Reduction:
             self._new_grad().zero_()
             self._written = [True] * len(self._parts)
         self._clear_unwritten()
-        self._copied_from = None  # the caller adds what it likes
         self.state = GradState.ACCUMULATING
         return self.grad
 
@@ -202,9 +198,7 @@ class Reduction:
         if self.grad is None:
             return True
         if self._parts:
-            # The padding is zeroed when a reduction starts: what the last one left there (the
-            # narrow exchange receives into the buffer, see [Note: exact on the wire]) is never sent.
-            return not any(self._written)
+            return not any(self._written) and not self.grad[self._parts_end :].any()
         return not bool(self.grad.any())
 
     def set_parts(self, parts: Sequence[Range]) -> None:
@@ -215,7 +209,7 @@ class Reduction:
         reached (and the padding) is zeroed, when the reduction starts."""
         self._parts = list(parts)
         self._parts_end = max((part.end for part in self._parts), default=0)
-        self._forget_writes()
+        self._written = [False] * len(self._parts)
 
     def add_to_part(self, part: int, grad: Tensor) -> None:
         """Adds ``grad`` (flat, the part's size) into part ``part`` of the local gradient."""
@@ -223,33 +217,14 @@ class Reduction:
             self.finish()  # the previous micro-step's reduction lands before new gradients
         if self.grad is None:
             self._new_grad()
-            self._forget_writes()
+            self._written = [False] * len(self._parts)
         view = self._parts[part].slice(self.grad)
         if self._written[part]:
             view.add_(grad)
-            self._copied_from = None
         else:
             view.copy_(grad)  # also the cast to the reduction's dtype, as add_ did
             self._written[part] = True
-            if self._copied_from is not None:
-                self._copied_from.add(grad.dtype)
         self.state = GradState.ACCUMULATING
-
-    def _forget_writes(self) -> None:
-        """No part holds a gradient any more (the buffer is new, or reduced and kept)."""
-        self._written = [False] * len(self._parts)
-        self._copied_from = set()
-
-    @property
-    def exact_in(self) -> torch.dtype | None:
-        """A dtype narrower than the reduction's that holds every value of the local gradient
-        exactly, or None: each part written since the buffer was cleared is one copy of a gradient
-        of that dtype (a bf16 model's gradient in an fp32 bucket) and the rest is zeros. The exchange
-        between two ranks then sends the values in it (see [Note: exact on the wire] in comm.py)."""
-        if self._copied_from is None or len(self._copied_from) != 1:
-            return None
-        (dtype,) = self._copied_from
-        return dtype if narrower_float(dtype, self.dtype) else None
 
     def _clear_unwritten(self) -> None:
         """Zeroes the parts no gradient reached since the buffer was cleared, and the padding."""
@@ -272,11 +247,12 @@ class Reduction:
         if self.grad is None:
             self._new_grad().zero_()
             self._written = [True] * len(self._parts)
-            self._copied_from = set()
         self._clear_unwritten()
+        # Averaging before the sum keeps fp16/bf16 sums in range, as DDP does.
+        self.grad.div_(self.world_size)
         self._output = torch.empty(self.chunk_numel, dtype=self.dtype, device=self.device)
         with torch.profiler.record_function(f"{self.label}::reduce_scatter"):
-            self._handle = collectives.reduce_scatter(self._output, self.grad, average=True, exact_in=self.exact_in)
+            self._handle = collectives.reduce_scatter(self._output, self.grad)
         self.state = GradState.REDUCING
         self.arrived = 0
         self.launched = True
@@ -348,10 +324,9 @@ class Reduction:
 
     def _release(self) -> None:
         if self.keep_buffer and self.grad is not None and self._parts:
-            self._forget_writes()  # stale until written or cleared (set_parts)
+            self._written = [False] * len(self._parts)  # stale until written or cleared (set_parts)
         elif self.keep_buffer and self.grad is not None:
             self.grad.zero_()
-            self._copied_from = set()
         else:
             if self.pool is not None and self._grad_buffer is not None:
                 self.pool.give(self._grad_buffer)  # waited for: no collective reads it any more
