@@ -242,8 +242,10 @@ class ZeroConfig:
         fused_adam: which kernel steps the masters that stay on the device (not offloaded) when
             the optimizer is ``torch.optim.Adam``/``AdamW``: ``"auto"`` (the default) is the
             one-pass CUDA kernel for CUDA masters (Triton's, or torch's fused AdamW plus separate
-            passes, with one warning, where it cannot be built), and the optimizer's own step
-            elsewhere; ``"off"`` is always the optimizer's own step; ``"cuda"``, ``"triton"``,
+            passes, with one warning, where it cannot be built), the one-pass C++ CPU Adam for
+            CPU masters (the optimizer's own step, silently, where that op cannot be built or
+            ``LIGHTNING_ZERO_DISABLE_CPP_OPS=1``), and the optimizer's own step elsewhere;
+            ``"off"`` is always the optimizer's own step; ``"cuda"``, ``"triton"``,
             ``"cpu"``, ``"torch"`` or ``"host"`` force that backend (see [Note: backends of the
             fused Adam op] in lightning_zero/ops/fused_adam.py). Offloaded masters always take
             the C++ CPU Adam.

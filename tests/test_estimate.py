@@ -108,10 +108,11 @@ def test_formulas_for_a_parameter_count() -> None:
     assert (stage3.device.params, stage3.device.grads, stage3.device.optimizer_states) == (
         2 * psi // n, 4 * psi // n, 12 * psi // n)
     assert stage3.device.activations is None and any("activations unknown" in note for note in stage3.notes)
-    # Stages 1/2 on CUDA: the fused device Adam's bf16 staging chunk (P Ψ/N), none without it.
-    fused = estimate_memory(psi, n, ZeroConfig(stage=2), "bf16-mixed")
-    own_step = estimate_memory(psi, n, ZeroConfig(stage=2, fused_adam="off"), "bf16-mixed")
-    assert fused.device.comm_buffers - own_step.device.comm_buffers == 2 * psi // n
+    # Stages 1/2 on CUDA and the CPU: the fused device Adam's bf16 staging chunk (P Ψ/N), none without it.
+    for device_type in ("cuda", "cpu"):
+        fused = estimate_memory(psi, n, ZeroConfig(stage=2), "bf16-mixed", device_type=device_type)
+        own_step = estimate_memory(psi, n, ZeroConfig(stage=2, fused_adam="off"), "bf16-mixed", device_type=device_type)
+        assert fused.device.comm_buffers - own_step.device.comm_buffers == 2 * psi // n, device_type
     assert estimate_memory(psi, n, ZeroConfig(stage=2), "32-true").device.comm_buffers == estimate_memory(
         psi, n, ZeroConfig(stage=2, fused_adam="off"), "32-true").device.comm_buffers
 

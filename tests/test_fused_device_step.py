@@ -1,7 +1,8 @@
 """The engine's fused device step (zero/device_step.py) on 2 gloo ranks, without a Trainer.
 
-On CUDA, ``ZeroConfig(fused_adam="auto")`` steps device-resident Adam/AdamW masters with the
-fused multi-tensor kernel. Here the masters are on the CPU, so the backends are forced: "host"
+``ZeroConfig(fused_adam="auto")`` steps device-resident Adam/AdamW masters with the fused
+multi-tensor kernel on CUDA and with the C++ CPU Adam on the CPU. Here the masters are on the CPU,
+so the other backends are forced: "host"
 (the CUDA kernel's own code run on the CPU), "triton" (under TRITON_INTERPRET=1) and "cpu" (the
 C++ CPU kernel). All three equal ops/_reference.py bit for bit, so their runs must be identical
 to each other at every stage, with bf16 and fp32 parameters, clipping (a tensor coefficient)
@@ -105,7 +106,23 @@ def _cases() -> dict[tuple[Any, ...], dict[str, Any]]:
     for backend in BACKENDS:
         out[(2, torch.float16, backend, True, True)] = _run(2, backend, torch.float16, clip=True, fp16=True)
         out[(3, torch.bfloat16, backend, True, False)] = _run(3, backend, torch.bfloat16, clip=True, fp16=False)
-    return {"engine": out, "trainer": _trainer_runs()}
+    return {"engine": out, "auto": _auto_runs(), "trainer": _trainer_runs()}
+
+
+def _auto_runs() -> dict[tuple[int, bool], dict[str, Any]]:
+    """The default, "auto", on CPU masters at every stage (bf16 parameters): with the C++ op, and
+    with it forced off (as where it cannot be built, or LIGHTNING_ZERO_DISABLE_CPP_OPS=1)."""
+    from lightning_zero.ops import cpu_adam
+
+    runs = {}
+    for forced_off in (False, True):
+        cpu_adam._force_fallback(forced_off)
+        try:
+            for stage in (1, 2, 3):
+                runs[(stage, forced_off)] = _run(stage, "auto", torch.bfloat16, clip=False, fp16=False)
+        finally:
+            cpu_adam._force_fallback(False)
+    return runs
 
 
 def _trainer_runs() -> dict[str, Any]:
@@ -201,6 +218,18 @@ def test_parameters_hold_the_rounded_masters(results: list[dict[tuple[Any, ...],
         assert all(rank_results[key]["rounded"] for rank_results in results), key
         runs = [rank_results[key] for rank_results in results]
         assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"])), key
+
+
+def test_auto_steps_cpu_masters_with_the_cpp_op_or_the_optimizers_own_step() -> None:
+    """"auto" on CPU masters is the C++ CPU Adam, bit for bit the forced "cpu" backend, writing
+    the bf16 parameters itself; where that op is unavailable, silently the optimizer's own step."""
+    for runs in _all_runs():
+        for (stage, forced_off), run in runs["auto"].items():
+            twin = runs["engine"][(stage, torch.bfloat16, "off" if forced_off else "cpu", False, False)]
+            assert run["ran"] == ([] if forced_off else ["cpu"]), (stage, forced_off)
+            assert run["staged"] and all(staged != forced_off for staged in run["staged"]), (stage, forced_off)
+            assert all(torch.equal(a, b) for a, b in zip(run["masters"], twin["masters"])), (stage, forced_off)
+            assert all(torch.equal(a, b) for a, b in zip(run["params"], twin["params"])), (stage, forced_off)
 
 
 def test_fused_adam_choices_are_the_ops_backends() -> None:

@@ -43,8 +43,11 @@ class _SubclassedAdamW(torch.optim.AdamW):
 
 
 def _hooked_adamw(groups: Groups) -> torch.optim.Optimizer:
+    """Step hooks, which would run once per bucket; they record each call on the optimizer."""
     optimizer = torch.optim.AdamW(groups, lr=0.05)
-    optimizer.register_step_post_hook(lambda opt, args, kwargs: None)  # would run once per bucket
+    optimizer.hook_calls = []  # type: ignore[attr-defined]
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: opt.hook_calls.append("pre"))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: opt.hook_calls.append("post"))
     return optimizer
 
 
@@ -58,6 +61,7 @@ CONFIGS: dict[str, tuple[dict[str, Any], Callable[[Groups], torch.optim.Optimize
     "zero2_half_offload": ({"stage": 2, "fused_adam": "cpu", "offload_optimizer": CPUOffloadPolicy(ratio=0.5)}, _adamw),
     "zero1_adamw": ({"stage": 1}, _adamw),
     "zero2_adamw": ({"stage": 2}, _adamw),
+    "zero2_adamw_own_step": ({"stage": 2, "fused_adam": "off"}, _adamw),
     "zero2_adamw_foreach": ({"stage": 2}, lambda groups: torch.optim.AdamW(groups, lr=0.05, foreach=True)),
     "zero2_adamw_fused": ({"stage": 2}, lambda groups: torch.optim.AdamW(groups, lr=0.05, fused=True)),
     "zero2_sgd": ({"stage": 2}, lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)),
@@ -123,6 +127,7 @@ def _engine_run(keywords: dict[str, Any], make_optimizer: Callable[[Groups], tor
         "state": [{k: v.clone() for k, v in state.items()} for state in optimizer.state.values()],
         "landings": len(landings),
         "buckets": len(list(optimizer.layout.buckets)),
+        "hook_calls": list(getattr(optimizer.optimizer, "hook_calls", [])),
     }
     engine.remove_hooks()
     return out
@@ -208,8 +213,19 @@ def test_a_subclass_or_a_hooked_optimizer_keeps_the_plain_step(runs: list[dict[s
         on, off = run["engine"][(name, torch.float32, True)], run["engine"][(name, torch.float32, False)]
         assert on["landings"] == 0 and off["landings"] == 0
         _assert_identical(on["params"], off["params"], f"rank {rank} {name} params")
-        # ... and it computes what the optimizer it derives from computes bucket by bucket.
-        _assert_identical(on["params"], run["engine"][("zero2_adamw", torch.float32, True)]["params"], name)
+        # ... and it computes what the optimizer it derives from computes bucket by bucket: the
+        # subclass its own step, the hooked AdamW the fused CPU Adam that AdamW gets by default.
+        twin = "zero2_adamw_own_step" if name == "zero2_subclassed_adamw" else "zero2_adamw"
+        _assert_identical(on["params"], run["engine"][(twin, torch.float32, True)]["params"], name)
+
+
+def test_the_users_step_hooks_run_once_per_step_around_the_fused_step(runs: list[dict[str, Any]]) -> None:
+    """[Note: the user's step hooks]: the fused kernel updates the masters without the optimizer's
+    step(); its hooks still run, once per step, pre before post."""
+    for run in runs:
+        for overlap in (True, False):
+            for dtype in (torch.float32, torch.bfloat16):
+                assert run["engine"][("zero2_hooked_adamw", dtype, overlap)]["hook_calls"] == ["pre", "post"] * STEPS
 
 
 def test_through_the_trainer_it_runs_only_when_nothing_reads_the_gradients_first(runs: list[dict[str, Any]]) -> None:

@@ -3,8 +3,8 @@
 csrc/ lives at the top of the repository; pyproject.toml maps it into the package as
 lightning_zero/ops/csrc, where lightning_zero/ops/_build.py looks in an installed copy. Before
 that mapping a non-editable install had no sources and silently took the fallback. This test
-builds the wheel, installs it (no dependencies: torch comes from the test's own environment
-through --system-site-packages) into a fresh virtual environment, and from a directory outside
+builds the wheel, installs it (no dependencies: torch comes from the test's own environment,
+through --system-site-packages and a .pth line) into a fresh virtual environment, and from a directory outside
 the checkout builds the C++ CPU Adam and the host build of the CUDA kernel from the installed
 sources into an empty build directory, and runs both.
 """
@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import tomllib
 import venv
@@ -52,6 +53,12 @@ def test_the_wheel_ships_the_kernel_sources_and_builds_from_them(tmp_path: Path)
 
     environment = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(environment)
+    # Run from a virtual environment, --system-site-packages reaches the base interpreter's
+    # packages and not this one's torch: a .pth line puts this interpreter's site-packages after the
+    # new environment's own (a path line: the .pth files there, an editable install's, stay unread).
+    (site_packages,) = environment.glob("lib/python*/site-packages")
+    ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    (site_packages / "test_environment.pth").write_text("".join(f"{path}\n" for path in ours))
     python = environment / "bin" / "python"
     installed = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],

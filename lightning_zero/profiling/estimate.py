@@ -21,7 +21,7 @@ stage      parameters          gradients             optimizer state (master + K
 - ``offload_optimizer`` moves ``ratio`` of the masters, master gradients and moments to the host;
   ``offload_params`` (stage 3) the parameter shards too. With bf16/fp16 parameters an offloaded
   step writes its rounded result into a host staging buffer (P Ψ/N, a communication buffer).
-- at stages 1/2 on CUDA with bf16/fp16 parameters, the fused device Adam (``fused_adam``, see
+- at stages 1/2 on CUDA or the CPU with bf16/fp16 parameters, the fused device Adam (``fused_adam``, see
   [Note: fused device step] in zero/device_step.py) writes its rounded result into a device
   staging chunk per bucket (P Ψ/N of the masters on the device, a communication buffer); at
   stage 3 it writes the parameter shard itself.
@@ -140,7 +140,8 @@ def estimate_memory(
             device.comm_buffers += r_bytes * min(numel, 2 * buckets)  # one accumulating, one in flight
         if config.offload_optimizer is not None and p_bytes < MASTER_BYTES:
             host.comm_buffers += p_bytes * on_host  # rounded parameters written by the CPU step
-        fused_on_device = config.fused_adam != "off" and (config.fused_adam != "auto" or device_type == "cuda")
+        # "auto" on the CPU counts the C++ op as built (it falls back to the optimizer's own step).
+        fused_on_device = config.fused_adam != "off" and (config.fused_adam != "auto" or device_type in ("cuda", "cpu"))
         if fused_on_device and optimizer_moments == 2 and p_bytes < MASTER_BYTES:
             device.comm_buffers += p_bytes * on_device  # rounded parameters written by the fused device step
     else:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -318,7 +319,8 @@ class ShardedOptimizer(Optimizer):
             if self.loss_scaler is not None and self.collectives.step_groups.pipeline is not None:
                 self.loss_scaler.update(overflow=False)  # as the stages that stepped do
             return loss
-        self._run_optimizer(self.layout.trained_masters(had_grad))
+        with self._user_step_hooks():
+            self._run_optimizer(self.layout.trained_masters(had_grad))
         self._grad_coefficient = None
         self.layout.publish()
         if self.loss_scaler is not None:
@@ -346,6 +348,8 @@ class ShardedOptimizer(Optimizer):
     def _can_overlap_step(self) -> bool:
         if not self.config.overlap_step or self.loss_scaler is not None or self._grad_coefficient is not None:
             return False
+        if self.optimizer._optimizer_step_pre_hooks or self.optimizer._optimizer_step_post_hooks:
+            return False  # they run once around the whole step (see [Note: the user's step hooks])
         if not getattr(self.layout, "can_land_by_bucket", False):
             return False
         trained = self.layout.trained_masters(None)
@@ -353,6 +357,32 @@ class ShardedOptimizer(Optimizer):
         fused = _fused_set(fused_cpu, fused_device)
         rest = [master for masters in trained for master in masters if master not in fused]
         return not rest or (self._steps_by_parts() and len({master.device for master in rest}) == 1)
+
+    # [Note: the user's step hooks]
+    # Hooks registered on the user's optimizer (register_step_pre_hook / register_step_post_hook)
+    # run once per applied step, before the first master changes and after the last one did, as
+    # torch runs them around its step(). The fused kernels update masters without calling that
+    # step(), and it may run for only some of the masters, so ZeroOptimizer calls the hooks itself
+    # (with no arguments: the closure, if any, has run) and mutes them on its own calls of the
+    # optimizer's step(). A skipped step (overflow, no gradient) runs none, as under GradScaler.
+    # While any is registered the step is the plain one, never the overlapped one.
+    @contextlib.contextmanager
+    def _user_step_hooks(self) -> Iterator[None]:
+        optimizer = self.optimizer
+        pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+        if not pre and not post:
+            yield
+            return
+        for hook in list(pre.values()):
+            hook(optimizer, (), {})
+        # Swapped out and back, not cleared: the hooks' removal handles hold these very dicts.
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+        try:
+            yield
+        finally:
+            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
+        for hook in list(post.values()):
+            hook(optimizer, (), {})
 
     def _steps_by_parts(self) -> bool:
         """Whether stepping the user's optimizer over disjoint parts of its masters, one after the
