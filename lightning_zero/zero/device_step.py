@@ -89,14 +89,18 @@ def device_adam_masters(
     ``exclude`` (the offloaded ones the CPU step takes) of fusable groups; groups without any
     are left out."""
     fused = []
+    backends: dict[torch.device, str | None] = {}  # one lookup per device, not per master and step
     for group, masters in zip(optimizer.param_groups, trained):
         if not adam_group_is_fusable(optimizer, group):
             continue
-        mine = [
-            master for master in masters
-            if master not in exclude and master.dtype == torch.float32
-            and device_adam_backend(config, master.device) is not None
-        ]  # fmt: skip
+        mine = []
+        for master in masters:
+            if master in exclude or master.dtype != torch.float32:
+                continue
+            if master.device not in backends:
+                backends[master.device] = device_adam_backend(config, master.device)
+            if backends[master.device] is not None:
+                mine.append(master)
         if mine:
             fused.append((group, mine))
     return fused
