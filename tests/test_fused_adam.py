@@ -240,6 +240,38 @@ def test_opcheck_schema_fake_and_autograd_registration() -> None:
     torch.library.opcheck(torch.ops.lightning_zero.fused_adam_.default, args)
 
 
+def test_eager_calls_bump_what_they_write_and_modes_still_see_the_op() -> None:
+    """[Note: eager calls skip the op's dispatch]: a plain eager call runs the implementation
+    directly, bumping the version counters of every tensor it wrote (not the gradients'), with
+    the op's results; under a dispatch mode the op itself is dispatched, as the mode expects."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tensors = _tensors([64, 100], torch.bfloat16, torch.bfloat16, seed=11)
+    expected = _clone(tensors)
+    _reference(expected, 1, 0.9, 0.01, True, scale=0.5)
+    before = {key: [t._version for t in values] for key, values in tensors.items()}
+    _step(tensors, "cpu", 1, 0.9, 0.01, True, 0.5)
+    _assert_equal(tensors, expected, "eager")
+    for key, values in tensors.items():
+        bumped = [t._version > v for t, v in zip(values, before[key])]
+        assert all(bumped) if key != "grads" else not any(bumped), key
+
+    class Recording(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    again = _tensors([64, 100], torch.bfloat16, torch.bfloat16, seed=11)
+    with Recording() as mode:
+        _step(again, "cpu", 1, 0.9, 0.01, True, 0.5)
+    assert any("lightning_zero.fused_adam_" in op for op in mode.ops), mode.ops
+    _assert_equal(again, expected, "under a dispatch mode")
+
+
 def test_torch_compile_traces_through_the_op_in_one_graph() -> None:
     tensors = _tensors([64, 100], torch.bfloat16, torch.bfloat16, seed=9)
     expected = _clone(tensors)

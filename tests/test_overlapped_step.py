@@ -43,17 +43,26 @@ class _SubclassedAdamW(torch.optim.AdamW):
 
 
 def _hooked_adamw(groups: Groups) -> torch.optim.Optimizer:
-    """Step hooks, which would run once per bucket; they record each call on the optimizer."""
+    """Step hooks, which would run once per bucket; they record each call on the optimizer, with
+    the sum of what its param groups list then (the masters being stepped)."""
     optimizer = torch.optim.AdamW(groups, lr=0.05)
     optimizer.hook_calls = []  # type: ignore[attr-defined]
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: opt.hook_calls.append("pre"))
-    optimizer.register_step_post_hook(lambda opt, args, kwargs: opt.hook_calls.append("post"))
+
+    def record(name: str) -> Callable[[Any, Any, Any], None]:
+        def hook(opt: Any, args: Any, kwargs: Any) -> None:
+            total = sum(float(p.detach().double().sum()) for group in opt.param_groups for p in group["params"])
+            opt.hook_calls.append((name, args == (opt,), total))
+        return hook
+
+    optimizer.register_step_pre_hook(record("pre"))
+    optimizer.register_step_post_hook(record("post"))
     return optimizer
 
 
 # name: ZeroConfig keywords and the optimizer; every one can step all of its masters bucket by
-# bucket: a fused kernel steps them, or the optimizer's own step (torch.optim's for-loop, foreach
-# and fused implementations, momentum SGD) over each bucket's masters.
+# bucket: a fused kernel steps them (offload, and AdamW on the CPU by default), or the optimizer's
+# own step (fused_adam="off": torch.optim's for-loop, foreach and fused implementations; momentum
+# SGD) over each bucket's masters.
 CONFIGS: dict[str, tuple[dict[str, Any], Callable[[Groups], torch.optim.Optimizer]]] = {
     "zero1_offload": ({"stage": 1, "offload_optimizer": CPUOffloadPolicy()}, _adamw),
     "zero2_offload": ({"stage": 2, "offload_optimizer": CPUOffloadPolicy()}, _adamw),
@@ -62,8 +71,10 @@ CONFIGS: dict[str, tuple[dict[str, Any], Callable[[Groups], torch.optim.Optimize
     "zero1_adamw": ({"stage": 1}, _adamw),
     "zero2_adamw": ({"stage": 2}, _adamw),
     "zero2_adamw_own_step": ({"stage": 2, "fused_adam": "off"}, _adamw),
-    "zero2_adamw_foreach": ({"stage": 2}, lambda groups: torch.optim.AdamW(groups, lr=0.05, foreach=True)),
-    "zero2_adamw_fused": ({"stage": 2}, lambda groups: torch.optim.AdamW(groups, lr=0.05, fused=True)),
+    "zero2_adamw_foreach": ({"stage": 2, "fused_adam": "off"},
+                            lambda groups: torch.optim.AdamW(groups, lr=0.05, foreach=True)),
+    "zero2_adamw_fused": ({"stage": 2, "fused_adam": "off"},
+                          lambda groups: torch.optim.AdamW(groups, lr=0.05, fused=True)),
     "zero2_sgd": ({"stage": 2}, lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)),
     "zero2_half_offload_sgd": ({"stage": 2, "offload_optimizer": CPUOffloadPolicy(ratio=0.5)},
                                lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9)),
@@ -72,6 +83,7 @@ CONFIGS: dict[str, tuple[dict[str, Any], Callable[[Groups], torch.optim.Optimize
 PLAIN: dict[str, tuple[dict[str, Any], Callable[[Groups], torch.optim.Optimizer]]] = {
     "zero2_subclassed_adamw": ({"stage": 2}, lambda groups: _SubclassedAdamW(groups, lr=0.05)),
     "zero2_hooked_adamw": ({"stage": 2}, _hooked_adamw),
+    "zero2_hooked_adamw_own_step": ({"stage": 2, "fused_adam": "off"}, _hooked_adamw),
 }
 
 
@@ -147,8 +159,10 @@ def _trainer_run(overlap: bool, callback: pl.Callback | None = None, offload: bo
                  **trainer_kwargs: Any) -> dict[str, Any]:
     pl.seed_everything(0)
     module = TinyGPT(scheduler=True)
+    # Without offload, the optimizer's own step (fused_adam="off"; "auto" is the fused CPU Adam).
     strategy = ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=700, overlap_step=overlap,
-                                              offload_optimizer=CPUOffloadPolicy() if offload else None))
+                                              offload_optimizer=CPUOffloadPolicy() if offload else None,
+                                              fused_adam="auto" if offload else "off"))
     with counting_landings() as landings:
         fit(module, strategy, WORLD, steps=6, callbacks=[callback] if callback else [], **trainer_kwargs)
     return {"params": params_of(module), "landings": len(landings)}
@@ -215,17 +229,26 @@ def test_a_subclass_or_a_hooked_optimizer_keeps_the_plain_step(runs: list[dict[s
         _assert_identical(on["params"], off["params"], f"rank {rank} {name} params")
         # ... and it computes what the optimizer it derives from computes bucket by bucket: the
         # subclass its own step, the hooked AdamW the fused CPU Adam that AdamW gets by default.
-        twin = "zero2_adamw_own_step" if name == "zero2_subclassed_adamw" else "zero2_adamw"
+        twin = "zero2_adamw" if name == "zero2_hooked_adamw" else "zero2_adamw_own_step"
         _assert_identical(on["params"], run["engine"][(twin, torch.float32, True)]["params"], name)
 
 
-def test_the_users_step_hooks_run_once_per_step_around_the_fused_step(runs: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("name", ["zero2_hooked_adamw", "zero2_hooked_adamw_own_step"])
+def test_the_users_step_hooks_run_once_per_step_around_the_masters_update(runs: list[dict[str, Any]],
+                                                                         name: str) -> None:
     """[Note: the user's step hooks]: the fused kernel updates the masters without the optimizer's
-    step(); its hooks still run, once per step, pre before post."""
+    step(), and the optimizer's own step() is called inside ZeroOptimizer's: either way the hooks
+    run once per step, pre then post, with args (optimizer,), seeing the masters (the post hook the
+    updated ones, which the next pre hook sees unchanged)."""
     for run in runs:
         for overlap in (True, False):
             for dtype in (torch.float32, torch.bfloat16):
-                assert run["engine"][("zero2_hooked_adamw", dtype, overlap)]["hook_calls"] == ["pre", "post"] * STEPS
+                calls = run["engine"][(name, dtype, overlap)]["hook_calls"]
+                assert [call[0] for call in calls] == ["pre", "post"] * STEPS, (name, dtype, overlap)
+                assert all(call[1] for call in calls)
+                totals = [call[2] for call in calls]
+                assert all(totals[2 * k] != totals[2 * k + 1] for k in range(STEPS)), totals
+                assert all(totals[2 * k + 1] == totals[2 * k + 2] for k in range(STEPS - 1)), totals
 
 
 def test_through_the_trainer_it_runs_only_when_nothing_reads_the_gradients_first(runs: list[dict[str, Any]]) -> None:

@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "cuda", "triton", "cpu", "torch", "host")
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)  # not a subclass that dispatches on its own
 _CUDA_SOURCES = ("fused_adam.cu", "fused_adam.cuh", "multi_tensor_apply.cuh", "adam_constants.h")
 _HOST_SOURCES = ("fused_adam_host.cpp", "fused_adam.cuh", "multi_tensor_apply.cuh", "adam_constants.h")
 # --fmad=false: nvcc must not fuse multiplies and adds the source did not fuse (see [Note: the
@@ -398,10 +399,17 @@ def multi_tensor_adam_step(
     # [Note: eager calls skip the op's dispatch]
     # Through torch.ops the custom op's Python layers (autograd, ADInplaceOrView, redispatch) cost
     # about 0.4 ms a call on the CPU: more than the C++ kernel takes for a bucket of the demo GPT.
-    # Outside torch.compile the implementation is called directly, and the version counters of
-    # what it wrote are bumped as the op's ADInplaceOrView layer bumps them (autograd still sees
-    # the writes). Under torch.compile the op is what gets traced.
-    direct = not torch.compiler.is_compiling()
+    # In plain eager mode (plain tensors, no torch.compile, no dispatch or function mode active:
+    # FlopCounterMode, fake tensors, make_fx, memory trackers still see the op) the implementation
+    # is called directly, and the version counters of what it wrote are bumped as the op's
+    # ADInplaceOrView layer bumps them (autograd still sees the writes).
+    direct = (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
+        and all(type(t) in _PLAIN_TENSORS for ts in (masters, grads, exp_avgs, exp_avg_sqs) for t in ts)
+        and all(t is None or type(t) in _PLAIN_TENSORS for t in outs)
+    )
     for (_, out_dtype), members in groups.items():
         written = [masters[i] for i in members], [exp_avgs[i] for i in members], [exp_avg_sqs[i] for i in members]
         low = [outs[i] for i in members] if out_dtype is not None else []

@@ -81,6 +81,12 @@ def _has_only_constructor_state(optimizer: Optimizer) -> bool:
     return all(float(entry.get("step", 0)) == 0 for entry in optimizer.state.values())
 
 
+def _step_hooks(optimizer: Optimizer) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The step pre and post hooks registered on ``optimizer`` itself (none on an optimizer that
+    skipped ``Optimizer.__init__``)."""
+    return getattr(optimizer, "_optimizer_step_pre_hooks", {}), getattr(optimizer, "_optimizer_step_post_hooks", {})
+
+
 class SyncState(enum.Enum):
     """Whether the master-gradient shards hold every gradient produced so far."""
 
@@ -319,8 +325,9 @@ class ShardedOptimizer(Optimizer):
             if self.loss_scaler is not None and self.collectives.step_groups.pipeline is not None:
                 self.loss_scaler.update(overflow=False)  # as the stages that stepped do
             return loss
-        with self._user_step_hooks():
-            self._run_optimizer(self.layout.trained_masters(had_grad))
+        trained = self.layout.trained_masters(had_grad)
+        with self._masters_in_param_groups(trained), self._user_step_hooks():
+            self._run_optimizer(trained)
         self._grad_coefficient = None
         self.layout.publish()
         if self.loss_scaler is not None:
@@ -348,7 +355,7 @@ class ShardedOptimizer(Optimizer):
     def _can_overlap_step(self) -> bool:
         if not self.config.overlap_step or self.loss_scaler is not None or self._grad_coefficient is not None:
             return False
-        if self.optimizer._optimizer_step_pre_hooks or self.optimizer._optimizer_step_post_hooks:
+        if any(_step_hooks(self.optimizer)):
             return False  # they run once around the whole step (see [Note: the user's step hooks])
         if not getattr(self.layout, "can_land_by_bucket", False):
             return False
@@ -360,21 +367,31 @@ class ShardedOptimizer(Optimizer):
 
     # [Note: the user's step hooks]
     # Hooks registered on the user's optimizer (register_step_pre_hook / register_step_post_hook)
-    # run once per applied step, before the first master changes and after the last one did, as
-    # torch runs them around its step(). The fused kernels update masters without calling that
-    # step(), and it may run for only some of the masters, so ZeroOptimizer calls the hooks itself
-    # (with no arguments: the closure, if any, has run) and mutes them on its own calls of the
-    # optimizer's step(). A skipped step (overflow, no gradient) runs none, as under GradScaler.
-    # While any is registered the step is the plain one, never the overlapped one.
+    # run once per applied step, as torch runs them around its step(): with the param groups
+    # listing this rank's masters (what the step updates), the pre hooks before the first master
+    # changes and the post hooks after the last one did (before the all-gather publishes them into
+    # the parameters). The fused kernels update masters without calling that step(), and it may
+    # run for only some of the masters, so ZeroOptimizer calls the hooks itself, as torch does
+    # (``args`` is ``(optimizer,)``: the closure, if any, has run; a pre hook may return new
+    # arguments, which nothing here takes) and mutes them on its own calls of the optimizer's
+    # step(). A skipped step (overflow, no gradient) runs none, as under GradScaler. While any is
+    # registered the step is the plain one, never the overlapped one. torch's global optimizer
+    # hooks run on ZeroOptimizer's own step() (and on the inner step() where it runs).
     @contextlib.contextmanager
     def _user_step_hooks(self) -> Iterator[None]:
         optimizer = self.optimizer
-        pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+        pre, post = _step_hooks(optimizer)
         if not pre and not post:
             yield
             return
+        args: tuple[Any, ...] = (optimizer,)
         for hook in list(pre.values()):
-            hook(optimizer, (), {})
+            result = hook(optimizer, args, {})
+            if result is not None and not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(
+                    f"The step pre hook {hook!r} of {type(optimizer).__name__} returned {result!r}; a step pre hook"
+                    " returns None or a tuple (new_args, new_kwargs), as torch.optim requires."
+                )
         # Swapped out and back, not cleared: the hooks' removal handles hold these very dicts.
         optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         try:
@@ -382,7 +399,7 @@ class ShardedOptimizer(Optimizer):
         finally:
             optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
         for hook in list(post.values()):
-            hook(optimizer, (), {})
+            hook(optimizer, args, {})
 
     def _steps_by_parts(self) -> bool:
         """Whether stepping the user's optimizer over disjoint parts of its masters, one after the
@@ -497,12 +514,13 @@ class ShardedOptimizer(Optimizer):
         Outside the step the groups list the model's own parameters, so Lightning's
         toggle_optimizer and anything else reading ``param_groups`` sees the model.
         """
+        before = [group["params"] for group in self.param_groups]  # nested: the outer step's masters
         for group, masters in zip(self.param_groups, masters_per_group):
             group["params"] = masters
         try:
             yield
         finally:
-            for group, params in zip(self.param_groups, self._group_params):
+            for group, params in zip(self.param_groups, before):
                 group["params"] = params
 
     def zero_grad(self, set_to_none: bool = True) -> None:
