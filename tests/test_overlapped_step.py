@@ -183,7 +183,25 @@ def _cases() -> dict[str, Any]:
         "overlapped_own_step": _trainer_run(True, offload=False),  # the optimizer's own step, by bucket
         "plain_own_step": _trainer_run(False, offload=False),
     }
-    return {"engine": engine, "trainer": trainer, "reader_synced": reader.synced}
+    return {"engine": engine, "trainer": trainer, "reader_synced": reader.synced, "global_hooks": _global_hook_runs()}
+
+
+def _global_hook_runs() -> dict[str, list[str]]:
+    """torch's global step hooks around the fused step and around the optimizer's own step."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    runs = {}
+    for fused_adam in ("auto", "off"):
+        calls: list[str] = []
+        handles = [register_optimizer_step_pre_hook(lambda opt, args, kwargs: calls.append("pre")),
+                   register_optimizer_step_post_hook(lambda opt, args, kwargs: calls.append("post"))]  # fmt: skip
+        try:
+            _engine_run({"stage": 2, "fused_adam": fused_adam}, _adamw, True, torch.float32)
+        finally:
+            for handle in handles:
+                handle.remove()
+        runs[fused_adam] = calls
+    return runs
 
 
 _RUNS: list[dict[str, Any]] = []
@@ -262,6 +280,13 @@ def test_through_the_trainer_it_runs_only_when_nothing_reads_the_gradients_first
         _assert_identical(trainer["callback"]["params"], trainer["plain"]["params"], "with a callback")
         assert trainer["overlapped_own_step"]["landings"] == 6 and trainer["plain_own_step"]["landings"] == 0
         _assert_identical(trainer["overlapped_own_step"]["params"], trainer["plain_own_step"]["params"], "own step")
+
+
+def test_torchs_global_step_hooks_run_once_per_step(runs: list[dict[str, Any]]) -> None:
+    """On ZeroOptimizer's own step() only: not once more on the wrapped optimizer's step()."""
+    for run in runs:
+        for fused_adam, calls in run["global_hooks"].items():
+            assert calls == ["pre", "post"] * STEPS, fused_adam
 
 
 def test_overlap_step_must_be_a_bool() -> None:

@@ -376,7 +376,7 @@ class ShardedOptimizer(Optimizer):
     # arguments, which nothing here takes) and mutes them on its own calls of the optimizer's
     # step(). A skipped step (overflow, no gradient) runs none, as under GradScaler. While any is
     # registered the step is the plain one, never the overlapped one. torch's global optimizer
-    # hooks run on ZeroOptimizer's own step() (and on the inner step() where it runs).
+    # hooks run once per step() call, on ZeroOptimizer's own (see _inner_step).
     @contextlib.contextmanager
     def _user_step_hooks(self) -> Iterator[None]:
         optimizer = self.optimizer
@@ -400,6 +400,24 @@ class ShardedOptimizer(Optimizer):
             optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
         for hook in list(post.values()):
             hook(optimizer, args, {})
+
+    def _inner_step(self) -> None:
+        """The wrapped optimizer's own step() over what its param groups list now. torch's global
+        step hooks (register_optimizer_step_pre_hook / _post_hook) already run on this
+        ZeroOptimizer's step(), which torch wraps as every optimizer's: they are swapped out for
+        the inner call, so that they run once per step, not once more per inner call (see [Note:
+        the user's step hooks]). They are module state: another thread stepping another optimizer
+        in that window would not run them."""
+        pre, post = torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks
+        if not pre and not post:
+            self.optimizer.step()
+            return
+        torch_optimizer._global_optimizer_pre_hooks = OrderedDict()
+        torch_optimizer._global_optimizer_post_hooks = OrderedDict()
+        try:
+            self.optimizer.step()
+        finally:
+            torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks = pre, post
 
     def _steps_by_parts(self) -> bool:
         """Whether stepping the user's optimizer over disjoint parts of its masters, one after the
@@ -440,7 +458,7 @@ class ShardedOptimizer(Optimizer):
             rest = [[m for m in masters if m in mine and m not in fused] for masters in trained]
             if any(rest):
                 with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(rest):
-                    self.optimizer.step()
+                    self._inner_step()
             device = [(group, kept) for group, masters in fused_device if (kept := [m for m in masters if m in mine])]
             if device:
                 with torch.profiler.record_function("zero::fused_adam_step"):
@@ -466,7 +484,7 @@ class ShardedOptimizer(Optimizer):
         if not fused_cpu and not fused_device:
             self._apply_grad_coefficient()
             with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(trained):
-                self.optimizer.step()
+                self._inner_step()
             return
         coefficient = self._grad_coefficient_now()
         fused_masters = _fused_set(fused_cpu, fused_device)
@@ -477,7 +495,7 @@ class ShardedOptimizer(Optimizer):
         self._grad_coefficient = 1.0
         with torch.profiler.record_function("zero::optimizer_step"), self._masters_in_param_groups(rest):
             if any(group["params"] for group in self.param_groups):
-                self.optimizer.step()
+                self._inner_step()
         if fused_device:
             with torch.profiler.record_function("zero::fused_adam_step"):
                 device_adam_step(self.optimizer, fused_device, coefficient, staging, self.config)
