@@ -294,34 +294,21 @@ def fused_adam_steps(
     exp_avgs: Sequence[Tensor],
     exp_avg_sqs: Sequence[Tensor],
     outs: Sequence[Tensor | None],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    grad_scale: float,
+    **hyper: Any,
 ) -> None:
-    """:func:`fused_adam_step` over lists the caller has checked (``multi_tensor_adam_step``
-    does), empty tensors skipped. The C++ op checks devices, dtypes and sizes itself; the Python
-    checks per tensor are what this leaves out (a third of the step's host time for a bucket of
-    small pieces). Without the op, the checked fallback of :func:`fused_adam_step`."""
+    """:func:`fused_adam_step` (its keywords in ``hyper``, ``grad_scale`` a float) over lists the
+    caller has checked (``multi_tensor_adam_step`` does), empty tensors skipped. The C++ op checks
+    devices, dtypes and sizes itself; the Python checks per tensor are what this leaves out (a
+    third of the step's host time for a bucket of small pieces). Without the op, the checked
+    fallback of :func:`fused_adam_step`."""
     code = _OP.value()
-    for index, master in enumerate(masters):
+    for master, grad, exp_avg, exp_avg_sq, out in zip(masters, grads, exp_avgs, exp_avg_sqs, outs):
         if not master.numel():
             continue
         if code is None:
-            fused_adam_step(master, grads[index], exp_avgs[index], exp_avg_sqs[index], step=step, lr=lr, beta1=beta1,
-                            beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                            grad_scale=grad_scale, low_precision_out=outs[index])  # fmt: skip
-            continue
-        torch.ops.lightning_zero.cpu_adam_step(
-            master, grads[index], exp_avgs[index], exp_avg_sqs[index], outs[index],
-            int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-            bool(adamw_mode), float(grad_scale), code,
-        )  # fmt: skip
+            fused_adam_step(master, grad, exp_avg, exp_avg_sq, low_precision_out=out, **hyper)
+        else:
+            _cpp_adam_step(master, grad, exp_avg, exp_avg_sq, low_precision_out=out, isa=_ISA_NAMES[code], **hyper)
 
 
 def _stream_probe(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Tensor) -> bool:

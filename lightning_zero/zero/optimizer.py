@@ -373,10 +373,10 @@ class ShardedOptimizer(Optimizer):
     # the parameters). The fused kernels update masters without calling that step(), and it may
     # run for only some of the masters, so ZeroOptimizer calls the hooks itself, as torch does
     # (``args`` is ``(optimizer,)``: the closure, if any, has run; a pre hook may return new
-    # arguments, which nothing here takes) and mutes them on its own calls of the optimizer's
-    # step(). A skipped step (overflow, no gradient) runs none, as under GradScaler. While any is
-    # registered the step is the plain one, never the overlapped one. torch's global optimizer
-    # hooks run once per step() call, on ZeroOptimizer's own (see _inner_step).
+    # arguments, which nothing here takes), and its own calls of the optimizer's step() run no
+    # hook (_inner_step). A skipped step (overflow, no gradient) runs none, as under GradScaler.
+    # While any is registered the step is the plain one, never the overlapped one. torch's global
+    # optimizer hooks run once per step() call, on ZeroOptimizer's own.
     @contextlib.contextmanager
     def _user_step_hooks(self) -> Iterator[None]:
         optimizer = self.optimizer
@@ -392,32 +392,31 @@ class ShardedOptimizer(Optimizer):
                     f"The step pre hook {hook!r} of {type(optimizer).__name__} returned {result!r}; a step pre hook"
                     " returns None or a tuple (new_args, new_kwargs), as torch.optim requires."
                 )
-        # Swapped out and back, not cleared: the hooks' removal handles hold these very dicts.
-        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
-        try:
-            yield
-        finally:
-            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
+        yield
         for hook in list(post.values()):
             hook(optimizer, args, {})
 
     def _inner_step(self) -> None:
-        """The wrapped optimizer's own step() over what its param groups list now. torch's global
-        step hooks (register_optimizer_step_pre_hook / _post_hook) already run on this
-        ZeroOptimizer's step(), which torch wraps as every optimizer's: they are swapped out for
-        the inner call, so that they run once per step, not once more per inner call (see [Note:
-        the user's step hooks]). They are module state: another thread stepping another optimizer
-        in that window would not run them."""
-        pre, post = torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks
-        if not pre and not post:
-            self.optimizer.step()
+        """The wrapped optimizer's own step() over what its param groups list now, running no step
+        hook (see [Note: the user's step hooks]): its own hooks run once around the whole step
+        (_user_step_hooks), torch's global ones on this ZeroOptimizer's step(), which torch wraps
+        as every optimizer's. Both are swapped out for the call and back, not cleared: their
+        removal handles hold these very dicts. The global ones are module state: another thread
+        stepping another optimizer in that window would not run them."""
+        optimizer = self.optimizer
+        own = _step_hooks(optimizer)
+        shared = torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks
+        if not any(own) and not any(shared):
+            optimizer.step()
             return
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         torch_optimizer._global_optimizer_pre_hooks = OrderedDict()
         torch_optimizer._global_optimizer_post_hooks = OrderedDict()
         try:
-            self.optimizer.step()
+            optimizer.step()
         finally:
-            torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks = pre, post
+            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = own
+            torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks = shared
 
     def _steps_by_parts(self) -> bool:
         """Whether stepping the user's optimizer over disjoint parts of its masters, one after the
@@ -425,8 +424,8 @@ class ShardedOptimizer(Optimizer):
         optimizer = self.optimizer
         if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
             return False
-        hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
-                 torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+        hooks = (*_step_hooks(optimizer), torch_optimizer._global_optimizer_pre_hooks,
+                 torch_optimizer._global_optimizer_post_hooks)
         return not any(hooks)
 
     def _fused_masters(
