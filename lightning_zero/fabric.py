@@ -342,7 +342,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         zero_optimizer = _as_sharded(optimizer, "optimizer.step()")
         engine = self._require_engine("optimizer_step")
         backwards, self._synced_backwards = self._synced_backwards, 0
-        agree_before_step(self.collectives, engine, backwards)
+        agree_before_step(self.collectives, engine, backwards, zero_optimizer)
         try:
             return self.precision.optimizer_step(zero_optimizer, **kwargs)
         finally:

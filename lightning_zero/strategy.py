@@ -622,7 +622,7 @@ class ZeroStrategy(ParallelStrategy):
             # another number of backwards (manual optimization) meets the others here or at one of
             # their gathers, and every rank raises (see [Note: ranks that disagree]).
             backwards, self._synced_backwards = self._synced_backwards, 0
-            agree_before_step(self.collectives, self._require_engine(), backwards)
+            agree_before_step(self.collectives, self._require_engine(), backwards, zero_optimizer)
             if self._gradients_read_before_step(zero_optimizer):
                 zero_optimizer.finish_grad_sync()
             # else the step lands the reductions itself, bucket by bucket ([Note: overlapped step]).

@@ -44,10 +44,10 @@ class Point(enum.IntEnum):
     LENGTH = 1  # values: the dataloader's number of batches (-1: unknown)
     BATCH = 2  # values: 1 if this rank has a next batch
     GATHER = 3  # values: the unit's number, why it is gathered
-    SYNC = 4  # values: synchronized backwards since the last optimizer step
+    SYNC = 4  # values: synchronized backwards since the last optimizer step, leftover gradients, got every gradient
 
 
-_POINT_WIDTH = 3  # the point and two values
+_POINT_WIDTH = 4  # the point and three values
 
 
 def agree_at(collectives: AnyCollectives, point: Point, values: Sequence[int] = ()) -> list[list[int]]:
@@ -62,7 +62,7 @@ def agree_at(collectives: AnyCollectives, point: Point, values: Sequence[int] = 
             " must join in the same order: the ranks ran different code (a rank-dependent number of backward calls"
             " or optimizer steps, a forward on some ranks only, a different number of batches)."
         )
-    return [row[1:] for row in rows]
+    return [row[1 : 1 + len(values)] for row in rows]  # the values each rank gave, without the padding
 
 
 def _describe(row: Sequence[int]) -> str:
@@ -78,12 +78,16 @@ def _describe(row: Sequence[int]) -> str:
     return f"is at an unknown point {row[0]}"
 
 
-def agree_before_step(collectives: AnyCollectives, engine: Any, backwards: int) -> None:
+def agree_before_step(collectives: AnyCollectives, engine: Any, backwards: int, optimizer: Any = None) -> None:
     """Before an optimizer step waits for reductions other ranks might not have launched: a rank
     that ran another number of synchronized backwards (manual optimization, a Fabric loop) meets
     the others here or at one of their gathers, and every rank raises. A rank whose gradients
-    arrived after their backward's reduction went out makes every rank send the extra round."""
-    rows = agree_at(collectives, Point.SYNC, [backwards, int(engine.has_leftover_grads())])
+    arrived after their backward's reduction went out makes every rank send the extra round.
+    When every parameter of ``optimizer`` (the ShardedOptimizer about to step) got a gradient on
+    every rank, it learns so here, and its step exchanges no per-parameter flags (see
+    [Note: parameters without a gradient] in optimizer.py)."""
+    every_grad = optimizer is not None and optimizer.got_every_grad()
+    rows = agree_at(collectives, Point.SYNC, [backwards, int(engine.has_leftover_grads()), int(every_grad)])
     if any(row[1] for row in rows):
         engine.expect_leftover_grads()
     counts = [row[0] for row in rows]
@@ -94,6 +98,8 @@ def agree_before_step(collectives: AnyCollectives, engine: Any, backwards: int) 
             " number of times on every rank (a rank without a loss can backward a zero loss, e.g."
             " (0 * output).sum())."
         )
+    if optimizer is not None and all(row[2] for row in rows):
+        optimizer.note_every_grad_everywhere()
 
 
 def model_fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:

@@ -15,7 +15,14 @@ per-parameter state (Adam's ``step``, SGD's momentum) stays as it was. DDP with
 last ``zero_grad``, and gives one that some ranks used their gradients averaged with zeros. ZeRO
 does the same: every step, one all-reduce of per-parameter "had a gradient" flags
 (``_step_flags``) tells every rank which parameters got a gradient on any rank, and only their
-masters are listed in the param groups for the step (``_trained_masters``). Since the flags are
+masters are listed in the param groups for the step (``_trained_masters``). The common case needs
+no all-reduce: the agreement every rank makes before a step (``agree_before_step`` in
+consistency.py, an exchange that runs anyway) carries one more value, whether this rank got a
+gradient for every parameter; when every rank did, the flags would be all ones, and the step takes
+them as such until the next ``zero_grad`` (gradients only add up until then). Ranks decide this
+from the same exchanged rows, so they skip the all-reduce together. It is only skipped where the
+flags span nothing but the engine's group (no loss scaler's overflow flag, no tensor-parallel
+ranks, replicas or pipeline stages beyond the ranks that agreed). Since the flags are
 agreed, every rank steps the same parameters, also those with no element on it (an empty view),
 so per-parameter scalars agree across ranks. At stages 1/2 this needs one master per parameter,
 not per bucket: the bucket's master chunk is cut into one view per parameter (see
@@ -194,6 +201,8 @@ class ShardedOptimizer(Optimizer):
         # Per trainable parameter: got a gradient since zero_grad. A bytearray: set from every
         # gradient hook, where a tensor element write costs ten times more.
         self._had_grad = bytearray(layout.num_trainable)
+        # Every rank got a gradient for every parameter since zero_grad (the step's agreement said so).
+        self._every_grad_everywhere = False
         layout.on_grad = self._note_grad
         # Optimizer.__init__ sets up the hook registries torch expects on every optimizer; the
         # groups and state it builds are then replaced by the wrapped optimizer's own.
@@ -229,6 +238,15 @@ class ShardedOptimizer(Optimizer):
 
     def _note_grad(self, index: int) -> None:
         self._had_grad[index] = 1
+
+    def got_every_grad(self) -> bool:
+        """Whether every trainable parameter got a gradient on this rank since ``zero_grad``."""
+        return 0 not in self._had_grad
+
+    def note_every_grad_everywhere(self) -> None:
+        """Every rank got a gradient for every parameter (agreed by all of them, see
+        [Note: parameters without a gradient]): the step needs no exchange of flags."""
+        self._every_grad_everywhere = True
 
     # ------------------------------------------------------------------ layout
     def param_pieces(self) -> list[ParamPiece]:
@@ -277,10 +295,15 @@ class ShardedOptimizer(Optimizer):
         agreed by all ranks.
 
         One small all-reduce, on every rank, every step, so that all ranks take the same decision:
-        per-parameter "had a gradient" flags plus, with a loss scaler, one overflow flag. A
-        parameter without a gradient on any rank is skipped by the step, as torch.optim skips it
-        (see [Note: parameters without a gradient]).
+        per-parameter "had a gradient" flags plus, with a loss scaler, one overflow flag; none when
+        the step's agreement already said every rank got every gradient. A parameter without a
+        gradient on any rank is skipped by the step, as torch.optim skips it (see
+        [Note: parameters without a gradient]).
         """
+        if self._every_grad_everywhere and self.loss_scaler is None:
+            step_groups = self.collectives.step_groups
+            if step_groups.everyone is None and step_groups.pipeline is None:
+                return torch.ones(len(self._had_grad), dtype=torch.bool), False
         local = torch.frombuffer(self._had_grad + b"\0", dtype=torch.uint8).to(torch.int32)
         flags = local.to(self.comm_device)
         if self.loss_scaler is not None:
@@ -547,6 +570,7 @@ class ShardedOptimizer(Optimizer):
             for grad in self.layout.master_grads():
                 grad.zero_()
         self._had_grad = bytearray(len(self._had_grad))
+        self._every_grad_everywhere = False
         self._grad_coefficient = None
 
     # ------------------------------------------------------------------ clipping
