@@ -180,11 +180,17 @@ class PipelineConfig:
 #   benchmarks/comm.py); from 1M elements (4 MB of fp32) the bytes dominate on gloo and NCCL alike.
 # - Cap: the memory of the buckets in flight (2 x 25M x 4 bytes = 200 MB of fp32 gradients), the
 #   fixed size before; larger models get more buckets, and with them more overlap.
-# On 2 gloo ranks of this project's CPU machine the step of the 3.2M-parameter demo GPT is the
-# same within noise from 500K- to 25M-element buckets (the CPU is busy with compute while gloo
-# reduces, so overlap buys little there); the split is for accelerators, where it does.
+# - gloo floor: on gloo (CPU ranks) buckets hold at least AUTO_BUCKET_MIN_GLOO elements. gloo's
+#   threads share the cores that compute, so overlap buys little there while every collective
+#   costs its latency and its threads' wake-ups (a launch can stall the rank's main thread for a
+#   scheduler slice, 2-4 ms, measured in profiles). On 2 gloo ranks of this project's CPU machine,
+#   demo GPT (3.2M parameters, bf16-mixed), three runs of 4-6 alternating pairs: 2 buckets (2M
+#   floor) against 4 (1M) took 0.93-0.97x the step at stages 1 and 2, 0.94-1.01x with offload; one
+#   bucket of 3.2M was in between, 250K-element buckets 1.02-1.05x slower. The split is for
+#   accelerators, where overlap does pay.
 AUTO_BUCKET_SPLIT = 8
 AUTO_BUCKET_MIN = 1_000_000
+AUTO_BUCKET_MIN_GLOO = 2_000_000
 AUTO_BUCKET_MAX = 25_000_000
 
 
@@ -201,8 +207,8 @@ class ZeroConfig:
             buckets mean fewer, more efficient collectives but less overlap and more memory. The
             updated parameters are all-gathered after the step in the same buckets, because each
             rank owns 1/N of every bucket. ``None`` (the default) sizes them from the model: an
-            eighth of the optimizer's trainable elements, at least 1M and at most 25M (see
-            :meth:`bucket_size_for` and [Note: bucket size]).
+            eighth of the optimizer's trainable elements, at least 1M (2M on gloo, CPU ranks) and
+            at most 25M (see :meth:`bucket_size_for` and [Note: bucket size]).
         reduce_every_micro_step: with gradient accumulation, the default reduces once per
             optimizer step (no communication on non-boundary micro-steps, at the price of a full
             local gradient buffer). ``True`` reduce-scatters every micro-step into the rank's
@@ -357,12 +363,14 @@ class ZeroConfig:
                 f"ZeroConfig.reduce_dtype={self.reduce_dtype!r} is not one of {', '.join(map(repr, REDUCE_DTYPES))}."
             )
 
-    def bucket_size_for(self, numel: int) -> int:
-        """Elements per gradient bucket for an optimizer over ``numel`` trainable elements:
-        ``reduce_bucket_size`` when set, else the rule of [Note: bucket size]."""
+    def bucket_size_for(self, numel: int, backend: str | None = None) -> int:
+        """Elements per gradient bucket for an optimizer over ``numel`` trainable elements, reduced
+        over a process group of ``backend`` (None: not known, NCCL's rule): ``reduce_bucket_size``
+        when set, else the rule of [Note: bucket size]."""
         if self.reduce_bucket_size is not None:
             return self.reduce_bucket_size
-        return min(AUTO_BUCKET_MAX, max(AUTO_BUCKET_MIN, -(-numel // AUTO_BUCKET_SPLIT)))
+        floor = AUTO_BUCKET_MIN_GLOO if backend is not None and "gloo" in backend else AUTO_BUCKET_MIN
+        return min(AUTO_BUCKET_MAX, max(floor, -(-numel // AUTO_BUCKET_SPLIT)))
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype:

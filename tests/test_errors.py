@@ -140,9 +140,9 @@ def test_the_strategy_pickles_for_spawn_and_fork_launchers() -> None:
 
 
 def test_bucket_size_is_sized_from_the_model_unless_given() -> None:
-    """reduce_bucket_size=None: an eighth of the trainable elements, between 1M and 25M (see
-    [Note: bucket size]); an explicit size is kept whatever the model."""
-    from lightning_zero.config import AUTO_BUCKET_MAX, AUTO_BUCKET_MIN
+    """reduce_bucket_size=None: an eighth of the trainable elements, between 1M (2M on gloo) and
+    25M (see [Note: bucket size]); an explicit size is kept whatever the model and backend."""
+    from lightning_zero.config import AUTO_BUCKET_MAX, AUTO_BUCKET_MIN, AUTO_BUCKET_MIN_GLOO
 
     auto = ZeroConfig()
     assert auto.reduce_bucket_size is None
@@ -150,5 +150,10 @@ def test_bucket_size_is_sized_from_the_model_unless_given() -> None:
     assert auto.bucket_size_for(80_000_001) == 10_000_001  # rounded up: never nine buckets
     assert auto.bucket_size_for(7_000_000_000) == AUTO_BUCKET_MAX
     assert ZeroConfig(reduce_bucket_size=1234).bucket_size_for(7_000_000_000) == 1234
+    # gloo: a higher floor only (each collective stalls the CPU ranks that compute)
+    assert auto.bucket_size_for(3_200_000, "gloo") == AUTO_BUCKET_MIN_GLOO > AUTO_BUCKET_MIN
+    assert auto.bucket_size_for(3_200_000, "nccl") == auto.bucket_size_for(3_200_000, None) == AUTO_BUCKET_MIN
+    assert auto.bucket_size_for(80_000_001, "gloo") == 10_000_001
+    assert ZeroConfig(reduce_bucket_size=1234).bucket_size_for(3_200_000, "gloo") == 1234
     with pytest.raises(ValueError, match=r"reduce_bucket_size=0 .*or None to size buckets from the model"):
         ZeroConfig(reduce_bucket_size=0)

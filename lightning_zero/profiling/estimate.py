@@ -133,7 +133,7 @@ def estimate_memory(
         device.params += p_bytes * numel
         device.optimizer_states += MASTER_BYTES * on_device
         host.optimizer_states += MASTER_BYTES * on_host
-        buckets = min(numel, config.bucket_size_for(numel))
+        buckets = min(numel, config.bucket_size_for(numel, "gloo" if device_type == "cpu" else None))
         if config.stage == 1:
             device.grads += r_bytes * numel  # every bucket's local gradient, kept for the run
         else:

@@ -326,7 +326,7 @@ class FlatLayout:
         # One size for every param group of the optimizer, from all of its trainable elements (see
         # [Note: bucket size] in config.py).
         trainable = {p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
-        bucket_size = self.config.bucket_size_for(sum(p.numel() for p in trainable))
+        bucket_size = self.config.bucket_size_for(sum(p.numel() for p in trainable), self.collectives.backend)
         for group_idx, group in enumerate(optimizer.param_groups):
             by_dtype: dict[torch.dtype, list[tuple[int, str, nn.Parameter]]] = {}
             for param in group["params"]:
