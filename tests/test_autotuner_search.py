@@ -78,6 +78,16 @@ def test_the_search_finds_the_grids_best_with_far_fewer_trials(budget_mib: int, 
     assert len(runner.runs) == fast.trials == len(set(runner.runs))  # no configuration twice
 
 
+def test_the_search_starts_from_the_backends_default_bucket() -> None:
+    """With the process group's backend, the first trial's bucket is what training without the
+    autotuner would use there (gloo's floor for a small model: see [Note: bucket size])."""
+    space = SearchSpace(micro_batch_sizes=(8,), stages=(1,), offload=("none",))
+    for backend, default in ((None, 1_000_000), ("nccl", 1_000_000), ("gloo", 2_000_000)):
+        runner = ModelRunner()
+        search(space, ZeroConfig(), 3_200_000, runner, 10_000 * MiB, backend=backend)
+        assert runner.runs[0].reduce_bucket_size == default == ZeroConfig().bucket_size_for(3_200_000, backend)
+
+
 def test_a_budget_that_excludes_large_micro_batches_at_stage_1_moves_to_a_sharded_stage() -> None:
     budget = 420 * MiB  # stage 1 fits up to 32; stage 2 (with small buckets) and 3 fit 64
     result = search(SPACE, ZeroConfig(), NUMEL, ModelRunner(), budget)
@@ -124,6 +134,9 @@ def test_the_search_space_checks_itself() -> None:
     assert SearchSpace().layouts()[:3] == [(1, "none"), (2, "none"), (3, "none")]
     # The base's bucket (sized from the model by default: 80M / 8) and fractions of the model.
     assert SearchSpace().bucket_sizes(ZeroConfig(), 80_000_000) == (5_000_000, 10_000_000, 20_000_000)
+    # A small model: the backend's floor (gloo's is higher, see [Note: bucket size]) and fractions.
+    assert SearchSpace().bucket_sizes(ZeroConfig(), 3_200_000) == (200_000, 800_000, 1_000_000)
+    assert SearchSpace().bucket_sizes(ZeroConfig(), 3_200_000, "gloo") == (200_000, 800_000, 2_000_000)
     assert SearchSpace().bucket_sizes(ZeroConfig(reduce_bucket_size=25_000_000), 80_000_000) == (
         5_000_000, 20_000_000, 25_000_000)
 

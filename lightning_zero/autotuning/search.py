@@ -96,10 +96,11 @@ class SearchResult:
 
 class _Search:
     def __init__(self, space: SearchSpace, base: ZeroConfig, numel: int, runner: Runner, budget: int,
-                 on_start: Callable[[Candidate], None] | None, on_record: Callable[[TrialRecord], None] | None) -> None:
+                 on_start: Callable[[Candidate], None] | None, on_record: Callable[[TrialRecord], None] | None,
+                 backend: str | None = None) -> None:
         self.space, self.base, self.runner, self.budget = space, base, runner, budget
-        self.numel = numel
-        self.buckets = space.bucket_sizes(base, numel)
+        self.numel, self.backend = numel, backend
+        self.buckets = space.bucket_sizes(base, numel, backend)
         self.units = space.unit_numels(base, numel)
         self.records: list[TrialRecord] = []
         self._done: dict[Candidate, TrialRecord] = {}
@@ -109,7 +110,7 @@ class _Search:
     def point(self, stage: int, offload: str, micro_batch_size: int) -> Candidate:
         """A layout at a micro-batch, with the other knobs at the base configuration's value (or the
         space's nearest to it)."""
-        return Candidate(stage, offload, micro_batch_size, _nearest(self.buckets, self.base.bucket_size_for(self.numel)),
+        return Candidate(stage, offload, micro_batch_size, _nearest(self.buckets, self.base.bucket_size_for(self.numel, self.backend)),
                          _nearest(self.space.prefetch_units, self.base.prefetch_units),
                          _nearest(self.units, self.base.min_unit_numel))
 
@@ -275,13 +276,14 @@ class _Search:
 
 def search(space: SearchSpace, base: ZeroConfig, numel: int, runner: Runner, budget: int, method: Method = "fast",
            on_start: Callable[[Candidate], None] | None = None,
-           on_record: Callable[[TrialRecord], None] | None = None) -> SearchResult:
+           on_record: Callable[[TrialRecord], None] | None = None, backend: str | None = None) -> SearchResult:
     """The fastest configuration of ``space`` that fits in ``budget`` bytes per rank (see [Note: how
-    the autotuner searches]); ``method="grid"`` tries every configuration. Raises
-    :class:`TuningError` when none fits."""
+    the autotuner searches]); ``method="grid"`` tries every configuration; ``backend``: the process
+    group's, whose default bucket size the search starts from. Raises :class:`TuningError` when none
+    fits."""
     if method not in ("fast", "grid"):
         raise ValueError(f"search(method={method!r}) must be 'fast' or 'grid'.")
-    walk = _Search(space, base, numel, runner, budget, on_start, on_record)
+    walk = _Search(space, base, numel, runner, budget, on_start, on_record, backend)
     best = walk.fast() if method == "fast" else walk.grid()
     if best is None:
         raise TuningError(_nothing_fits(walk.records, budget))

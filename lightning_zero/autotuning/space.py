@@ -96,10 +96,12 @@ class SearchSpace:
         return [(stage, offload) for offload in self.offload for stage in self.stages
                 if offload != "params" or stage == 3]
 
-    def bucket_sizes(self, base: ZeroConfig, numel: int) -> tuple[int, ...]:
+    def bucket_sizes(self, base: ZeroConfig, numel: int, backend: str | None = None) -> tuple[int, ...]:
+        """The bucket sizes to try: the given ones, else the base's default for ``numel`` on
+        ``backend`` (the process group's, see ZeroConfig.bucket_size_for) and fractions of the model."""
         if self.reduce_bucket_sizes is not None:
             return self.reduce_bucket_sizes
-        return _derived(base.bucket_size_for(numel), numel, (4, 16))
+        return _derived(base.bucket_size_for(numel, backend), numel, (4, 16))
 
     def unit_numels(self, base: ZeroConfig, numel: int) -> tuple[int, ...]:
         if self.min_unit_numels is not None:

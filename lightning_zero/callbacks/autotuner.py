@@ -147,8 +147,9 @@ class ZeroAutotuner(Callback):
         display = _Display(trainer.global_rank == 0 and self.progress)
         try:
             with display, runner:
+                backend = str(torch.distributed.get_backend()) if torch.distributed.is_initialized() else None
                 result = search(self.space, strategy.config, runner.numel, runner, budget, self.method,
-                                on_start=display.start, on_record=display.record)
+                                on_start=display.start, on_record=display.record, backend=backend)
         except BaseException:
             batch.restore()  # nothing half-applied: the run keeps its own batch size and strategy
             raise
