@@ -8,18 +8,29 @@ it pulls in setuptools, which ``import lightning_zero`` must not.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Generic, TypeVar
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; builds fall back to the age rule for torch's lock file
+    fcntl = None  # type: ignore[assignment]
 
 DISABLE_ENV = "LIGHTNING_ZERO_DISABLE_CPP_OPS"  # disables every compiled op (C++ and CUDA)
 BUILD_DIR_ENV = "LIGHTNING_ZERO_BUILD_DIR"
 VERBOSE_ENV = "LIGHTNING_ZERO_BUILD_VERBOSE"
+BUILD_TIMEOUT_ENV = "LIGHTNING_ZERO_BUILD_TIMEOUT"
+DEFAULT_BUILD_TIMEOUT_S = 1800.0  # a CUDA build on a slow machine takes minutes, never half an hour
+BUILDER_LOCK = "lightning_zero.build.lock"  # ours, beside torch's `lock`; kept, never removed
+TORCH_LOCK = "lock"  # torch.utils.file_baton.FileBaton's file, which cpp_extension.load makes
 
 T = TypeVar("T")
 
@@ -143,6 +154,89 @@ class LazyExtension(Generic[T]):
         self._warned = False
 
 
+def build_timeout() -> float:
+    """Seconds a process waits for another one's build of the same extension
+    (``$LIGHTNING_ZERO_BUILD_TIMEOUT``, default 1800)."""
+    raw = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BUILD_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{BUILD_TIMEOUT_ENV}={raw!r} is not a positive number of seconds. Unset it or set e.g. 1800")
+    return seconds
+
+
+# [Note: the build lock]
+# cpp_extension.load guards a build with a `lock` file (torch's FileBaton): the process that
+# creates it builds and deletes it; every other process polls until the file is gone, with no
+# timeout. A builder killed mid-build (Ctrl-C twice, SIGKILL, a job's time limit) leaves the
+# file behind and every later load of that extension waits forever. So each of our loads first
+# holds an flock on a file of our own in the same directory: the kernel drops an flock when its
+# process dies, so while we hold it no live lightning_zero process is inside load() for this
+# directory, and a `lock` file found then was left by a dead one. We delete it with a warning.
+# Waiting for a live builder is bounded (build_timeout()) and ends in an error naming the file
+# and the holder, which the caller turns into the fallback: never a hang. Without flock
+# (Windows) a `lock` older than the timeout counts as left behind.
+@contextlib.contextmanager
+def builder_lock(directory: Path, name: str, timeout: float | None = None) -> Iterator[None]:
+    """Holds this process's turn to build or load ``name`` in ``directory`` (see [Note: the
+    build lock]); raises TimeoutError after ``timeout`` seconds (default :func:`build_timeout`)."""
+    timeout = build_timeout() if timeout is None else timeout
+    directory.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        remove_left_lock(directory / TORCH_LOCK, name, older_than=timeout)
+        yield
+        return
+    path = directory / BUILDER_LOCK
+    with open(path, "a+") as handle:
+        start = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited >= timeout:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "a process that wrote no id"
+                    raise TimeoutError(
+                        f"waited {waited:.0f} s for another process to build or load {name} in {directory} "
+                        f"(it holds {path}: {holder}). Let it finish, raise {BUILD_TIMEOUT_ENV} (seconds, "
+                        f"now {timeout:g}), or point {BUILD_DIR_ENV} at another directory"
+                    ) from None
+                time.sleep(min(0.1, max(timeout - waited, 0.0)))
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            handle.flush()
+            remove_left_lock(directory / TORCH_LOCK, name)
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def remove_left_lock(path: Path, name: str, older_than: float = 0.0) -> None:
+    """Deletes torch's build lock ``path`` left by a dead builder (older than ``older_than`` s)."""
+    try:
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age < older_than:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    warnings.warn(
+        f"removed {path}, a build lock {age:.0f} s old left by a process that stopped while building {name} "
+        "(torch's loader would have waited on it forever). Building again",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
 def load_extension(
     name: str,
     sources: list[Path],
@@ -152,17 +246,20 @@ def load_extension(
     extra_ldflags: list[str] | None = None,
 ) -> None:
     """``cpp_extension.load`` of TORCH_LIBRARY ops (no pybind11), into our build directory or torch's
-    cache; torch's file lock makes ranks that start together build once."""
+    cache, one process at a time per directory (see [Note: the build lock]): ranks that start
+    together build once, and a build lock left by a killed builder does not stop the next one."""
     from torch.utils import cpp_extension
 
-    cpp_extension.load(
-        name=name,
-        sources=[str(source) for source in sources],
-        extra_cflags=extra_cflags,
-        extra_cuda_cflags=extra_cuda_cflags,
-        extra_ldflags=extra_ldflags,
-        extra_include_paths=sorted({str(source.parent) for source in sources}),
-        build_directory=build_directory(name),
-        is_python_module=False,  # TORCH_LIBRARY ops, no pybind11: builds in a third of the time
-        verbose=env_flag(VERBOSE_ENV),
-    )
+    directory = build_directory(name) or cpp_extension._get_build_directory(name, verbose=False)
+    with builder_lock(Path(directory), name):
+        cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in sources],
+            extra_cflags=extra_cflags,
+            extra_cuda_cflags=extra_cuda_cflags,
+            extra_ldflags=extra_ldflags,
+            extra_include_paths=sorted({str(source.parent) for source in sources}),
+            build_directory=directory,
+            is_python_module=False,  # TORCH_LIBRARY ops, no pybind11: builds in a third of the time
+            verbose=env_flag(VERBOSE_ENV),
+        )

@@ -12,8 +12,9 @@ Importing this module builds nothing and loads nothing. The first :func:`fused_a
 ``torch.utils.cpp_extension.load`` (ninja, about 10 s on two cores) into torch's extensions
 cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``), or into
 ``$LIGHTNING_ZERO_BUILD_DIR`` when that is set; later processes load the cached library in
-milliseconds. torch's loader holds a file lock while it builds, so ranks that start together
-build once. The flags are picked per instruction set that torch detects on this CPU (AVX-512,
+milliseconds. One process at a time builds or loads it per build directory, so ranks that start
+together build once, and a build killed half-way does not stall the next one (see [Note: the
+build lock] in _build.py). The flags are picked per instruction set that torch detects on this CPU (AVX-512,
 AVX2 or none) rather than ``-march=native``, and the ISA is part of the extension's name, so a
 cache shared between different machines never hands one a library it cannot run.
 
