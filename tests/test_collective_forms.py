@@ -1,7 +1,7 @@
 """The forms a sharded collective can take ([Note: collective forms] in zero/comm.py): reduce-scatter
 as all-reduce plus a local copy, all-gather as one broadcast per rank, and both as one exchange
 between two ranks, give the same bits as the plain collectives, on 2 and 4 gloo ranks, for odd
-sizes and every dtype."""
+sizes and every dtype, also when the all-gather's input is this rank's chunk of its output."""
 
 from __future__ import annotations
 
@@ -43,9 +43,15 @@ def _compare_forms() -> dict[str, Any]:
                 handle.wait()
                 gathered = torch.full((world * chunk,), float("nan"), dtype=dtype)
                 collectives.all_gather(gathered, output.clone()).wait()
-                results[name] = (output, gathered)
-            for name in ("alternative", "exchange", "rule"):
-                for what, mine, plain in zip(("reduce_scatter", "all_gather"), results[name], results["native"]):
+                # In place: the input is this rank's chunk of the output (the CPU step writes there)
+                in_place = torch.full((world * chunk,), float("nan"), dtype=dtype)
+                own = in_place[rank * chunk:(rank + 1) * chunk]
+                own.copy_(output)
+                collectives.all_gather(in_place, own).wait()
+                results[name] = (output, gathered, in_place)
+            for name in ("native", "alternative", "exchange", "rule"):
+                whats = ("reduce_scatter", "all_gather", "all_gather in place")
+                for what, mine, plain in zip(whats, results[name], (*results["native"][:2], results["native"][1])):
                     if not torch.equal(mine, plain):
                         out["mismatches"].append((name, what, str(dtype), chunk))
             out["cases"] += 1

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from harness import launched_environment, run_on_ranks
 from models import TinyGPT, loader, token_data
 
-from lightning_zero import ZeroConfig, ZeroStrategy, estimate_memory
+from lightning_zero import CPUOffloadPolicy, ZeroConfig, ZeroStrategy, estimate_memory
 from lightning_zero.cli import main
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.profiling import measure_activations
@@ -108,11 +108,15 @@ def test_formulas_for_a_parameter_count() -> None:
     assert (stage3.device.params, stage3.device.grads, stage3.device.optimizer_states) == (
         2 * psi // n, 4 * psi // n, 12 * psi // n)
     assert stage3.device.activations is None and any("activations unknown" in note for note in stage3.notes)
-    # Stages 1/2 on CUDA and the CPU: the fused device Adam's bf16 staging chunk (P Ψ/N), none without it.
-    for device_type in ("cuda", "cpu"):
+    # Stages 1/2 on CUDA: the fused device Adam's bf16 staging chunk (P Ψ/N), none without it; on the
+    # CPU it writes into the parameters' own chunk (no staging), offloaded or not.
+    for device_type, staging in (("cuda", 2 * psi // n), ("cpu", 0)):
         fused = estimate_memory(psi, n, ZeroConfig(stage=2), "bf16-mixed", device_type=device_type)
         own_step = estimate_memory(psi, n, ZeroConfig(stage=2, fused_adam="off"), "bf16-mixed", device_type=device_type)
-        assert fused.device.comm_buffers - own_step.device.comm_buffers == 2 * psi // n, device_type
+        assert fused.device.comm_buffers - own_step.device.comm_buffers == staging, device_type
+    offload = ZeroConfig(stage=2, offload_optimizer=CPUOffloadPolicy())
+    assert estimate_memory(psi, n, offload, "bf16-mixed").host.comm_buffers == 2 * psi // n
+    assert estimate_memory(psi, n, offload, "bf16-mixed", device_type="cpu").host.comm_buffers == 0
     assert estimate_memory(psi, n, ZeroConfig(stage=2), "32-true").device.comm_buffers == estimate_memory(
         psi, n, ZeroConfig(stage=2, fused_adam="off"), "32-true").device.comm_buffers
 

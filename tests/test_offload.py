@@ -24,10 +24,12 @@ class SGDGPT(TinyGPT):
 
 
 class StagingCheck(Callback):
-    """After a bf16 offloaded step, the device copy is the CPU master rounded."""
+    """After a bf16 offloaded step, the device copy is the CPU master rounded; with the parameters
+    on the CPU the step wrote it straight into this rank's chunk of them (no staging buffer)."""
 
     def __init__(self) -> None:
         self.exact: list[bool] = []
+        self.in_place: list[bool] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         for optimizer in trainer.strategy.zero_optimizers:
@@ -35,6 +37,8 @@ class StagingCheck(Callback):
                 if bucket.staging is not None:
                     self.exact.append(torch.equal(bucket.staging, bucket.master.to(torch.bfloat16)))
                     self.exact.append(torch.equal(bucket.owned_chunk(bucket.param_data), bucket.staging))
+                    own = bucket.owned_chunk(bucket.param_data)
+                    self.in_place.append(bucket.staging.data_ptr() == own.data_ptr() and bucket.staging.numel() == own.numel())
 
 
 def _run(strategy: Any, module: pl.LightningModule, **kwargs: Any) -> dict[str, Any]:
@@ -75,6 +79,7 @@ def _cases() -> dict[str, Any]:
         TinyGPT(), precision="bf16-mixed", callbacks=[staging],
     )
     out["staging_exact"] = staging.exact
+    out["staging_in_place"] = staging.in_place
     return out
 
 
@@ -104,6 +109,7 @@ def test_offloaded_runs_match_ddp(results: list[dict[str, Any]], case: str, refe
 def test_bf16_offload_stages_the_rounded_master_and_tracks_fp32(results: list[dict[str, Any]]) -> None:
     for per_rank in results:
         assert per_rank["staging_exact"] and all(per_rank["staging_exact"])
+        assert per_rank["staging_in_place"] and all(per_rank["staging_in_place"])
         zero, ddp = per_rank["zero2_offload_bf16"], per_rank["ddp"]
         assert max(abs(a - b) for a, b in zip(zero["losses"], ddp["losses"])) <= 0.1
 

@@ -5,14 +5,16 @@ Offloaded fp32 masters of torch's Adam/AdamW take the C++ CPU step (``ops.fused_
 which applies the unscale x clip factor, updates the master and its moments, and writes the
 rounded bf16/fp16 value into a pinned staging buffer, all in one pass over memory. Publishing
 the new parameters then copies the staging buffer to the device instead of casting the master
-again. A staging buffer holds the new values only if the last step wrote every piece of it: a
-parameter that got no gradient is not stepped, and a load writes the masters outside any step
-(:meth:`StagingBuffers.forget`). Every other master goes through the wrapped torch optimizer.
+again. With the parameters on the CPU themselves, the staging is this rank's chunk of the flat
+parameters, which the all-gather sends as it is. A staging buffer holds the new values only if
+the last step wrote every piece of it: a parameter that got no gradient is not stepped, and a
+load writes the masters outside any step (:meth:`StagingBuffers.forget`). Every other master
+goes through the wrapped torch optimizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -79,17 +81,22 @@ def fused_cpu_masters(
     return pairs
 
 
-def advance_adam_state(optimizer: Optimizer, master: Tensor) -> int:
-    """Creates ``master``'s state as torch's Adam does on its first step (``step`` a CPU float
-    tensor, ``exp_avg``, ``exp_avg_sq``), counts one more step and returns the new count. Shared
-    by the fused CPU and device steps, so checkpoints read the same as the optimizer's own."""
-    state = optimizer.state[master]
-    if not state:
-        state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = torch.zeros_like(master)
-        state["exp_avg_sq"] = torch.zeros_like(master)
-    state["step"] += 1
-    return int(state["step"].item())
+def advance_adam_states(optimizer: Optimizer, masters: Sequence[Tensor]) -> list[int]:
+    """Creates each master's state as torch's Adam does on its first step (``step`` a CPU float
+    tensor, ``exp_avg``, ``exp_avg_sq``), counts one more step for each, and returns the new counts.
+    Shared by the fused CPU and device steps, so checkpoints read the same as the optimizer's own.
+    One foreach add for all of them: an add per master cost more host time than a bucket of small
+    pieces spends in the kernel."""
+    states = [optimizer.state[master] for master in masters]
+    for state, master in zip(states, masters):
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
+    counts = [state["step"] for state in states]
+    if counts:
+        torch._foreach_add_(counts, 1)
+    return [int(count.item()) for count in counts]
 
 
 def adam_hyperparameters(optimizer: Optimizer, group: dict[str, Any]) -> dict[str, Any]:
@@ -102,24 +109,33 @@ def adam_hyperparameters(optimizer: Optimizer, group: dict[str, Any]) -> dict[st
     }  # fmt: skip
 
 
-def cpu_adam_step(
-    optimizer: Optimizer, group: dict[str, Any], master: Tensor, coefficient: float, staging: StagingBuffers | None
+def cpu_adam_steps(
+    optimizer: Optimizer,
+    pairs: Sequence[tuple[dict[str, Any], Tensor]],
+    coefficient: float,
+    staging: StagingBuffers | None,
 ) -> None:
-    """One Adam/AdamW step of ``master`` (its ``.grad`` times ``coefficient``) in one pass, keeping
-    its state in ``optimizer.state`` exactly as torch's Adam would; writes the staging copy."""
-    from lightning_zero.ops import fused_adam_step
+    """One Adam/AdamW step of every master of ``pairs`` ((param group, master); its ``.grad`` times
+    ``coefficient``) in one pass each, keeping its state in ``optimizer.state`` exactly as torch's
+    Adam would; writes the staging copies. One unchecked op call per piece, grouped by param group
+    and step count: the pieces are the engine's own flat fp32 CPU chunks (``fused_cpu_masters``),
+    and the op checks devices, dtypes and sizes itself."""
+    from lightning_zero.ops.cpu_adam import fused_adam_steps
 
-    step = advance_adam_state(optimizer, master)
-    if staging is not None:
-        staging.mark_written(master)
-    if master.numel() == 0:
-        return  # a parameter with no element on this rank: only its step count moves
-    state = optimizer.state[master]
-    fused_adam_step(
-        master, master.grad, state["exp_avg"], state["exp_avg_sq"], step=step, grad_scale=coefficient,
-        low_precision_out=staging.view_for(master) if staging is not None else None,
-        **adam_hyperparameters(optimizer, group),
-    )  # fmt: skip
+    masters = [master for _, master in pairs]
+    calls: dict[tuple[int, int], tuple[dict[str, Any], list[Tensor]]] = {}
+    for (group, master), step in zip(pairs, advance_adam_states(optimizer, masters)):
+        if staging is not None:
+            staging.mark_written(master)
+        calls.setdefault((id(group), step), (group, []))[1].append(master)
+    for (_, step), (group, members) in calls.items():
+        states = [optimizer.state[master] for master in members]
+        fused_adam_steps(
+            members, [master.grad for master in members],  # type: ignore[misc]
+            [state["exp_avg"] for state in states], [state["exp_avg_sq"] for state in states],
+            [staging.view_for(master) if staging is not None else None for master in members],
+            step=step, grad_scale=float(coefficient), **adam_hyperparameters(optimizer, group),
+        )  # fmt: skip
 
 
-__all__ = ["StagingBuffers", "adam_hyperparameters", "advance_adam_state", "cpu_adam_step", "fused_cpu_masters"]
+__all__ = ["StagingBuffers", "adam_hyperparameters", "advance_adam_states", "cpu_adam_steps", "fused_cpu_masters"]

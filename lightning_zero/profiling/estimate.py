@@ -19,12 +19,14 @@ stage      parameters          gradients             optimizer state (master + K
 - the fp32 master is its own tensor at stages 1/2; at stage 3 an fp32 parameter shard that lives
   on the same device as its master *is* the master (no copy).
 - ``offload_optimizer`` moves ``ratio`` of the masters, master gradients and moments to the host;
-  ``offload_params`` (stage 3) the parameter shards too. With bf16/fp16 parameters an offloaded
-  step writes its rounded result into a host staging buffer (P Ψ/N, a communication buffer).
-- at stages 1/2 on CUDA or the CPU with bf16/fp16 parameters, the fused device Adam (``fused_adam``, see
+  ``offload_params`` (stage 3) the parameter shards too. With bf16/fp16 parameters on a GPU an
+  offloaded step writes its rounded result into a host staging buffer (P Ψ/N, a communication
+  buffer).
+- at stages 1/2 on CUDA with bf16/fp16 parameters, the fused device Adam (``fused_adam``, see
   [Note: fused device step] in zero/device_step.py) writes its rounded result into a device
   staging chunk per bucket (P Ψ/N of the masters on the device, a communication buffer); at
-  stage 3 it writes the parameter shard itself.
+  stage 3 it writes the parameter shard itself. With the parameters on the CPU both steps write
+  straight into this rank's chunk of the flat parameters, which the all-gather sends: no staging.
 - stage 3 gathers a unit's parameters whole for its forward and backward: (1 + prefetch) of the
   largest units at once (P each; at most the whole model), and reduces a unit's gradient (R)
   before it is scattered (on the CPU two of the largest, kept for reuse).
@@ -138,11 +140,13 @@ def estimate_memory(
             device.grads += r_bytes * numel  # every bucket's local gradient, kept for the run
         else:
             device.comm_buffers += r_bytes * min(numel, 2 * buckets)  # one accumulating, one in flight
-        if config.offload_optimizer is not None and p_bytes < MASTER_BYTES:
+        # With the parameters on the CPU, the fused steps write into this rank's chunk of them: no staging.
+        staged = device_type != "cpu"
+        if config.offload_optimizer is not None and p_bytes < MASTER_BYTES and staged:
             host.comm_buffers += p_bytes * on_host  # rounded parameters written by the CPU step
         # "auto" on the CPU counts the C++ op as built (it falls back to the optimizer's own step).
         fused_on_device = config.fused_adam != "off" and (config.fused_adam != "auto" or device_type in ("cuda", "cpu"))
-        if fused_on_device and optimizer_moments == 2 and p_bytes < MASTER_BYTES:
+        if fused_on_device and optimizer_moments == 2 and p_bytes < MASTER_BYTES and staged:
             device.comm_buffers += p_bytes * on_device  # rounded parameters written by the fused device step
     else:
         params_on_host = config.offload_params is not None

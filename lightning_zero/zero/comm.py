@@ -476,10 +476,13 @@ class Collectives:
             output.copy_(input)
             return _Done()
         form = self.forms.all_gather_form(input.numel(), self.world_size)
+        n = input.numel()
+        own = output[self.rank * n:(self.rank + 1) * n]
+        in_place = input.data_ptr() == own.data_ptr() and input.dtype == own.dtype  # the CPU step wrote it there
         if form != "all_gather":
-            n = input.numel()
             slots = [output[r * n:(r + 1) * n] for r in range(self.world_size)]
-            slots[self.rank].copy_(input)
+            if not in_place:
+                slots[self.rank].copy_(input)
         if form == "exchange":
             splits = _exchange_splits(self.rank, n)
             with self.holding(slots[1 - self.rank], input):
@@ -489,6 +492,8 @@ class Collectives:
             with self.holding(*slots):
                 return _Broadcasts([dist.broadcast(slot, src=self._group_ranks[r], group=self.group, async_op=True)
                                     for r, slot in enumerate(slots)])
+        if in_place:
+            input = input.clone()  # gloo does not promise in-place gathers
         with self.holding(output, input):
             return _all_gather_single(output, input, group=self.group, async_op=True)
 

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.offload.step import StagingBuffers, adam_hyperparameters, advance_adam_state
+from lightning_zero.offload.step import StagingBuffers, adam_hyperparameters, advance_adam_states
 
 __all__ = ["adam_group_is_fusable", "device_adam_backend", "device_adam_masters", "device_adam_step"]
 
@@ -121,8 +121,7 @@ def device_adam_step(
     for group, masters in fused:
         # One call per step count and device: the bias correction is per call.
         calls: dict[tuple[int, torch.device], list[Tensor]] = {}
-        for master in masters:
-            step = advance_adam_state(optimizer, master)
+        for master, step in zip(masters, advance_adam_states(optimizer, masters)):
             if staging is not None:
                 staging.mark_written(master)
             calls.setdefault((step, master.device), []).append(master)

@@ -219,8 +219,13 @@ class FlatParamBuffer:
             # into pinned CPU staging (see [Note: offloaded step] in offload/step.py), the device
             # step into a device chunk the all-gather sends as it is (see [Note: fused device
             # step] in zero/device_step.py).
+            # With the parameters on the CPU themselves, the step writes straight into this rank's
+            # chunk of them, which the all-gather then sends as it is: no staging buffer, and no
+            # copy into the gathered output.
             fused_out = self.master_dtype == torch.float32 and dtype != torch.float32
-            if offload is not None and master_device.type == "cpu" and fused_out:
+            if fused_out and device.type == "cpu" and (offload is not None or stage_on_device) and master_device == device:
+                bucket.staging = bucket.owned_chunk(param_data)
+            elif offload is not None and master_device.type == "cpu" and fused_out:
                 bucket.staging = placement.zeros(bucket.shard_numel, CPU, dtype)
             elif stage_on_device and master_device == device and fused_out:
                 bucket.staging = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
@@ -251,7 +256,8 @@ class FlatParamBuffer:
         """Starts gathering one bucket's updated chunks into its parameters."""
         with torch.profiler.record_function("zero::all_gather"):
             # A separate input tensor: gloo does not promise in-place gathers. A device staging
-            # chunk already is one, in the parameters' dtype: it is sent as it is.
+            # chunk already is one, in the parameters' dtype: it is sent as it is; so is the CPU
+            # staging that is this rank's chunk of the parameters (Collectives.all_gather knows).
             source = bucket.staging if bucket.staging is not None and staged else bucket.master
             if source is bucket.staging and source.device == bucket.param_data.device:
                 chunk = source
@@ -392,13 +398,14 @@ class FlatLayout:
 
     def trained_masters(self, had_grad: Tensor | None) -> list[list[Tensor]]:
         """Per param group, the master holders of the parameters flagged in ``had_grad`` (all for None)."""
+        flags = None if had_grad is None else had_grad.tolist()  # one read, not one per parameter
         return [
             [
                 piece.holder
                 for buffer in group_buffers
                 for bucket in buffer.buckets
                 for slot, piece in zip(bucket.slots, bucket.pieces)
-                if had_grad is None or had_grad[slot.index]
+                if flags is None or flags[slot.index]
             ]
             for group_buffers in self.buffers
         ]

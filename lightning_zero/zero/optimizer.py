@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.loss_scaler import LossScaler
-from lightning_zero.offload.step import StagingBuffers, cpu_adam_step, fused_cpu_masters
+from lightning_zero.offload.step import StagingBuffers, cpu_adam_steps, fused_cpu_masters
 from lightning_zero.zero.device_step import device_adam_masters, device_adam_step
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.layout import ParamPiece, ShardTile
@@ -485,10 +485,10 @@ class ShardedOptimizer(Optimizer):
             if device:
                 with torch.profiler.record_function("zero::fused_adam_step"):
                     device_adam_step(self.optimizer, device, 1.0, layout.staging, self.config)
-            with torch.profiler.record_function("zero::cpu_adam_step"):
-                for group, master in fused_cpu:
-                    if master in mine:
-                        cpu_adam_step(self.optimizer, group, master, 1.0, layout.staging)
+            cpu = [(group, master) for group, master in fused_cpu if master in mine]
+            if cpu:
+                with torch.profiler.record_function("zero::cpu_adam_step"):
+                    cpu_adam_steps(self.optimizer, cpu, 1.0, layout.staging)
 
         layout.land_step_publish(step_bucket)  # type: ignore[attr-defined]
         self._grad_coefficient = None
@@ -524,8 +524,7 @@ class ShardedOptimizer(Optimizer):
         if fused_cpu:
             cpu_coefficient = float(coefficient)  # the CPU kernel takes a float (offload syncs anyway)
             with torch.profiler.record_function("zero::cpu_adam_step"):
-                for group, master in fused_cpu:
-                    cpu_adam_step(self.optimizer, group, master, cpu_coefficient, staging)
+                cpu_adam_steps(self.optimizer, fused_cpu, cpu_coefficient, staging)
         # The fused passes are the user's optimizer stepping, without its step() when every shard is
         # fused; an LR scheduler learns of a step only through the flag its wrapper of step() sets,
         # and would otherwise warn that it was stepped first.

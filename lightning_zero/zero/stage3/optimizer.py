@@ -106,8 +106,9 @@ class Zero3Layout:
         return (sp.holder.grad for sp in self.params)  # type: ignore[misc]
 
     def trained_masters(self, had_grad: Tensor | None) -> list[list[Tensor]]:
+        flags = None if had_grad is None else had_grad.tolist()  # one read, not one per parameter
         return [
-            [sp.holder for sp in members if had_grad is None or had_grad[self._local_index[sp]]]
+            [sp.holder for sp in members if flags is None or flags[self._local_index[sp]]]
             for members in self.groups
         ]
 
