@@ -514,6 +514,47 @@ def test_the_average_divides_by_the_world_size_before_the_sum_and_adds_into_mast
     assert torch.equal(reduction.master_grad, 100.0 + grad[6:9] / 4 + 3.0)
 
 
+def test_the_first_reduction_after_zeroing_lands_straight_in_the_master_gradient() -> None:
+    """[Note: reducing into the master gradient]: after zero_master_grad the reduce-scatter's output
+    is the master gradient itself (nothing to allocate or add), with the same sum as the add path;
+    a second reduction before the next zeroing adds; a dropped one in flight puts the zeros back."""
+    fake = FakeCollectives(pending=True)
+    (reduction,) = _reductions(fake, chunks=[4])
+    outputs: list[Tensor] = []
+    original = fake.reduce_scatter
+    fake.reduce_scatter = lambda output, input: (outputs.append(output), original(output, input))[1]  # type: ignore[method-assign]
+    schedule = ReduceSchedule([reduction], fake)
+    grad = torch.linspace(-1, 1, 8)
+
+    reduction.master_grad.fill_(5.0)  # not marked zero: the chunk is added into what it holds
+    _give(schedule, reduction, grad, task=1)
+    fake.handles[-1].release()
+    schedule.finish()
+    assert outputs[-1] is not reduction.master_grad
+    assert torch.equal(reduction.master_grad, 5.0 + _mine(reduction, grad))  # grad/2 from each of 2 ranks
+
+    reduction.zero_master_grad()
+    assert reduction.master_grad_zero and not reduction.master_grad.any()
+    _give(schedule, reduction, grad, task=2)
+    assert outputs[-1] is reduction.master_grad and not reduction.master_grad_zero
+    fake.handles[-1].release()
+    schedule.finish()
+    assert torch.equal(reduction.master_grad, _mine(reduction, grad))
+    _give(schedule, reduction, grad, task=3)  # a second reduction before zero_grad adds
+    assert outputs[-1] is not reduction.master_grad
+    fake.handles[-1].release()
+    schedule.finish()
+    assert torch.equal(reduction.master_grad, 2 * _mine(reduction, grad))
+
+    reduction.zero_master_grad()
+    _give(schedule, reduction, grad, task=4)
+    fake.handles[-1].release()  # it wrote into the master gradient, but never landed
+    schedule.drop()
+    assert reduction.master_grad_zero and not reduction.master_grad.any()
+    _give(schedule, reduction, grad, task=5)
+    assert outputs[-1] is reduction.master_grad
+
+
 def test_a_bf16_reduction_is_upcast_into_the_fp32_master_gradient() -> None:
     """reduce_dtype bf16: the collective moves bf16; the master gradient stays fp32."""
     fake = FakeCollectives()

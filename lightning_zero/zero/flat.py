@@ -396,6 +396,10 @@ class FlatLayout:
     def master_grads(self) -> Iterator[Tensor]:
         return (bucket.master_grad for bucket in self.buckets)
 
+    def zero_master_grads(self) -> None:
+        for bucket in self.buckets:
+            bucket.reduction.zero_master_grad()
+
     def trained_masters(self, had_grad: Tensor | None) -> list[list[Tensor]]:
         """Per param group, the master holders of the parameters flagged in ``had_grad`` (all for None)."""
         flags = None if had_grad is None else had_grad.tolist()  # one read, not one per parameter

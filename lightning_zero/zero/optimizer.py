@@ -149,6 +149,10 @@ class ShardLayout(Protocol):
 
     def master_grads(self) -> Iterator[Tensor]: ...
 
+    def zero_master_grads(self) -> None:
+        """Zeroes every master gradient (see [Note: reducing into the master gradient] in reduce.py)."""
+        ...
+
     def trained_masters(self, had_grad: Tensor | None) -> list[list[Tensor]]: ...
 
     def param_pieces(self) -> list[ParamPiece]: ...
@@ -566,8 +570,7 @@ class ShardedOptimizer(Optimizer):
         """Drops every gradient: local buckets, reductions in flight and the master-gradient shards."""
         with torch.no_grad():
             self.layout.drop_local_grads()
-            for grad in self.layout.master_grads():
-                grad.zero_()
+            self.layout.zero_master_grads()
         self._had_grad = bytearray(len(self._had_grad))
         self._every_grad_everywhere = False
         self._grad_coefficient = None

@@ -119,6 +119,8 @@ class Reduction:
       refuses to start a second reduction while one is in flight.
     - ``finish`` waits and adds this rank's averaged chunk into ``master_grad``; after it, and
       after ``drop``, the local gradient is zeroed (``keep_buffer``, stage 1) or freed.
+    - the owner calls ``zero_master_grad`` to zero ``master_grad`` (see [Note: reducing into the
+      master gradient]).
     """
 
     def __init__(
@@ -144,6 +146,10 @@ class Reduction:
         self.label = label  # profiler prefix: "zero" (stages 1/2) or "zero3"
         # This rank's master gradient [chunk_numel], set by the owner (on the CPU under offload).
         self.master_grad = torch.empty(0)
+        # Whether master_grad holds zeros that nothing landed on since zero_master_grad, and whether
+        # the reduction in flight writes straight into it (see [Note: reducing into the master gradient]).
+        self.master_grad_zero = False
+        self._into_master = False
         self.grad: Tensor | None = None  # [world_size * chunk_numel], rank-major
         self.state = GradState.CLEAN
         # Per backward (reset by the schedule when one starts):
@@ -250,12 +256,34 @@ class Reduction:
         self._clear_unwritten()
         # Averaging before the sum keeps fp16/bf16 sums in range, as DDP does.
         self.grad.div_(self.world_size)
-        self._output = torch.empty(self.chunk_numel, dtype=self.dtype, device=self.device)
+        self._into_master = self.master_grad_zero and self._can_reduce_into_master()
+        if self._into_master:
+            self._output = self.master_grad
+            self.master_grad_zero = False
+        else:
+            self._output = torch.empty(self.chunk_numel, dtype=self.dtype, device=self.device)
         with torch.profiler.record_function(f"{self.label}::reduce_scatter"):
             self._handle = collectives.reduce_scatter(self._output, self.grad)
         self.state = GradState.REDUCING
         self.arrived = 0
         self.launched = True
+
+    # [Note: reducing into the master gradient]
+    # A reduction adds its chunk into master_grad, which zero_grad zeroed. The first one to land
+    # after that, when the chunk has master_grad's dtype and device (no offload from a GPU, no
+    # reduction in a narrower dtype), reduces straight into master_grad instead: no chunk to
+    # allocate, no pass adding it to zeros. The sum is the same number (x + 0 is x; only a zero's
+    # sign may differ, which no later step can tell). A dropped reduction that wrote into it puts
+    # the zeros back. Owners zero master_grad through zero_master_grad, which marks it.
+    def _can_reduce_into_master(self) -> bool:
+        grad = self.master_grad
+        return grad.dtype == self.dtype and grad.device == self.device and grad.numel() == self.chunk_numel \
+            and grad.is_contiguous()
+
+    def zero_master_grad(self) -> None:
+        """Zeroes ``master_grad`` (zero_grad), so that the next reduction may write straight into it."""
+        self.master_grad.zero_()
+        self.master_grad_zero = True
 
     @property
     def lands_asynchronously(self) -> bool:
@@ -297,9 +325,11 @@ class Reduction:
                 self._landed.synchronize()
             self.master_grad.add_(self._landing)  # upcasts a bf16/fp16 reduction to fp32
             self._landed = None
-        else:
+        elif not self._into_master:
             # Upcasts a bf16/fp16 reduction to fp32; under offload this is the copy to the CPU.
             self.master_grad.add_(self._output.to(self.master_grad.device))
+        self.master_grad_zero = False
+        self._into_master = False
         self._output = None
         self._release()
 
@@ -315,6 +345,9 @@ class Reduction:
             self._handle.wait()
         if self._landed is not None:
             self._landed.synchronize()  # the pinned buffer is written no more
+        if self._into_master:
+            self.zero_master_grad()  # it held this reduction's partial result, which never landed
+            self._into_master = False
         self._handle = None
         self._landed = None
         self._output = None

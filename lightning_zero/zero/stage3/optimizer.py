@@ -105,6 +105,14 @@ class Zero3Layout:
     def master_grads(self) -> Iterator[Tensor]:
         return (sp.holder.grad for sp in self.params)  # type: ignore[misc]
 
+    def zero_master_grads(self) -> None:
+        for unit, members in self.members.items():
+            if len(members) == len(unit.params):
+                unit.reduction.zero_master_grad()
+            else:  # the unit's other parameters belong to another optimizer: its gradients stay
+                for sp in members:
+                    sp.holder.grad.zero_()  # type: ignore[union-attr]
+
     def trained_masters(self, had_grad: Tensor | None) -> list[list[Tensor]]:
         flags = None if had_grad is None else had_grad.tolist()  # one read, not one per parameter
         return [
