@@ -181,6 +181,29 @@ def test_without_flock_only_a_lock_older_than_the_timeout_is_removed(
         assert not torch_lock.exists()
 
 
+@pytest.mark.skipif(_build.fcntl is None, reason="no flock on this platform")
+def test_a_file_system_without_locks_falls_back_to_the_age_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    torch_lock = tmp_path / _build.TORCH_LOCK
+    torch_lock.touch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _build.builder_lock(tmp_path, NAME, timeout=60):
+            assert torch_lock.exists()  # young: may be a live build on another host
+    old = time.time() - 120
+    os.utime(torch_lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="removed"), _build.builder_lock(tmp_path, NAME, timeout=60):
+        assert not torch_lock.exists()
+
+
 @pytest.mark.parametrize("value", ["soon", "0", "-5"])
 def test_a_bad_build_timeout_names_the_variable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_build.BUILD_TIMEOUT_ENV, value)

@@ -9,6 +9,7 @@ it pulls in setuptools, which ``import lightning_zero`` must not.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import socket
@@ -17,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import IO, Generic, TypeVar
 
 try:
     import fcntl
@@ -179,7 +180,7 @@ def build_timeout() -> float:
 # directory, and a `lock` file found then was left by a dead one. We delete it with a warning.
 # Waiting for a live builder is bounded (build_timeout()) and ends in an error naming the file
 # and the holder, which the caller turns into the fallback: never a hang. Without flock
-# (Windows) a `lock` older than the timeout counts as left behind.
+# (Windows, or a file system without locks) a `lock` older than the timeout counts as left behind.
 @contextlib.contextmanager
 def builder_lock(directory: Path, name: str, timeout: float | None = None) -> Iterator[None]:
     """Holds this process's turn to build or load ``name`` in ``directory`` (see [Note: the
@@ -192,22 +193,11 @@ def builder_lock(directory: Path, name: str, timeout: float | None = None) -> It
         return
     path = directory / BUILDER_LOCK
     with open(path, "a+") as handle:
-        start = time.monotonic()
-        while True:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                waited = time.monotonic() - start
-                if waited >= timeout:
-                    handle.seek(0)
-                    holder = handle.read().strip() or "a process that wrote no id"
-                    raise TimeoutError(
-                        f"waited {waited:.0f} s for another process to build or load {name} in {directory} "
-                        f"(it holds {path}: {holder}). Let it finish, raise {BUILD_TIMEOUT_ENV} (seconds, "
-                        f"now {timeout:g}), or point {BUILD_DIR_ENV} at another directory"
-                    ) from None
-                time.sleep(min(0.1, max(timeout - waited, 0.0)))
+        if not _flock(handle, path, name, timeout):
+            # A file system without locks (some network and FUSE mounts): the age rule, as on Windows.
+            remove_left_lock(directory / TORCH_LOCK, name, older_than=timeout)
+            yield
+            return
         try:
             handle.seek(0)
             handle.truncate()
@@ -217,6 +207,31 @@ def builder_lock(directory: Path, name: str, timeout: float | None = None) -> It
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _flock(handle: IO[str], path: Path, name: str, timeout: float) -> bool:
+    """Takes an exclusive flock on ``handle`` within ``timeout`` seconds (TimeoutError naming the
+    holder otherwise); False where the file system does not support locks."""
+    start = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                handle.seek(0)
+                holder = handle.read().strip() or "a process that wrote no id"
+                raise TimeoutError(
+                    f"waited {waited:.0f} s for another process to build or load {name} in {path.parent} "
+                    f"(it holds {path}: {holder}). Let it finish, raise {BUILD_TIMEOUT_ENV} (seconds, "
+                    f"now {timeout:g}), or point {BUILD_DIR_ENV} at another directory"
+                ) from None
+            time.sleep(min(0.1, max(timeout - waited, 0.0)))
+        except OSError as error:
+            if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return False
+            raise
 
 
 def remove_left_lock(path: Path, name: str, older_than: float = 0.0) -> None:
