@@ -3,6 +3,7 @@
     python benchmarks/peers.py --quick                   # smoke run: tiny model, 3 steps, one round
     python benchmarks/peers.py                           # all, 2 gloo ranks, 2 rounds: about 8 min on 2 cores
     python benchmarks/peers.py --configs ds_stage2 zero2 --rounds 3 --precision 32-true
+    python benchmarks/peers.py --configs ds_stage2_offload zero2_offload --trace-dir traces/   # per-rank traces
 
 Configurations (``ddp`` always runs: every ratio is to DDP measured in the same run):
 
@@ -104,6 +105,7 @@ from step_time import _wait_for_ranks, _warn_if_shared, token_loader  # noqa: E4
 
 MiB = 2**20
 BASELINE = "ddp"
+TRACED_STEPS = 10  # with --trace-dir: the measured steps each run traces
 FLOOR_RANK = "PEERS_FLOOR_RANK"  # the floor's processes are not ranks of a group: which one each is
 DEEPSPEED_STAGES: dict[str, dict[str, Any]] = {
     # The keyword arguments of Lightning's own registry presets (DeepSpeedStrategy.register_strategies).
@@ -154,6 +156,8 @@ class PeerSpec:
     model: ModelKnobs
     reduce_dtype: str | None = None
     """Ours only: ``ZeroConfig.reduce_dtype`` (None: the preset's, fp32)."""
+    trace_to: str | None = None
+    """With ``--trace-dir``: the path stem of this run's profiler traces (``<stem>.rank<r>.json``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -407,7 +411,7 @@ def _train_and_measure(spec: PeerSpec, rank: int) -> PeerRankResult:
     model, model_source = step_time._build_model(spec.step_time_spec())
     num_params = sum(p.numel() for p in model.parameters())  # before any sharding
     _adapt_model(model, spec.config)
-    probe = _probe_class(_family(spec.config))(spec.warmup, spec.warmup + spec.steps, payload)
+    probe = _probe_class(_family(spec.config))(spec.warmup, spec.warmup + spec.steps, payload, spec.trace_to, rank)
     trainer = pl.Trainer(
         accelerator="gpu" if spec.device == "cuda" else "cpu",
         devices=1 if spec.config == FLOOR else spec.world_size,
@@ -576,10 +580,15 @@ def _probe_class(family: str) -> type:
         before the last optimizer step (rather than at the end, when DeepSpeed has freed its
         gradients)."""
 
-        def __init__(self, warmup: int, total_steps: int, payload: _PayloadCounter) -> None:
+        def __init__(
+            self, warmup: int, total_steps: int, payload: _PayloadCounter, trace_to: str | None, rank: int
+        ) -> None:
             super().__init__(warmup)
             self.total_steps = total_steps
             self.payload = payload
+            self.trace_to = trace_to
+            self.rank = rank  # the process's own (the floor's processes are all global rank 0)
+            self._profiler: Any = None
             self.wire_bytes: list[int] = []
             self.payload_bytes: list[int] = []
             self.collective_calls: list[int] = []
@@ -596,6 +605,12 @@ def _probe_class(family: str) -> type:
                 trainer.strategy.model.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if self.trace_to is not None and self._seen_batches == self.warmup:
+                import torch
+
+                # Before the timer starts: starting the profiler is not part of a step.
+                self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self._profiler.__enter__()
             self._at_start = (_wire_bytes() or 0, self.payload.bytes, self.payload.calls)
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
@@ -605,6 +620,18 @@ def _probe_class(family: str) -> type:
                 self.wire_bytes.append((_wire_bytes() or 0) - self._at_start[0])
                 self.payload_bytes.append(self.payload.bytes - self._at_start[1])
                 self.collective_calls.append(self.payload.calls - self._at_start[2])
+            if self._profiler is not None and self._seen_batches == min(self.warmup + TRACED_STEPS, self.total_steps):
+                self._write_trace()
+
+        def _write_trace(self) -> None:
+            """The traced steps as a Chrome trace (timestamps shared by the ranks of a run, so both
+            line up in one viewer) and torch.profiler's table of ops by self time."""
+            profiler, self._profiler = self._profiler, None
+            profiler.__exit__(None, None, None)
+            stem = f"{self.trace_to}.rank{self.rank}"
+            profiler.export_chrome_trace(f"{stem}.json")
+            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            Path(f"{stem}.txt").write_text(table + "\n")
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             if self._seen_batches != self.total_steps - 1:
@@ -653,10 +680,14 @@ def _peer_environment(spec: PeerSpec, rank: int, port: int) -> dict[str, str]:
     return env
 
 
-def run_peer(spec: PeerSpec, log_dir: Path, timeout_s: float, round_index: int) -> PeerResult:
+def run_peer(
+    spec: PeerSpec, log_dir: Path, timeout_s: float, round_index: int, trace_dir: Path | None = None
+) -> PeerResult:
     """Runs one configuration on ``spec.world_size`` fresh processes and reduces their results."""
     port = _free_port()
     stem = f"{spec.config}.round{round_index}"
+    if trace_dir is not None:
+        spec = replace(spec, trace_to=str(trace_dir / stem))
     result_paths = [log_dir / f"{stem}.rank{rank}.json" for rank in range(spec.world_size)]
     log_paths = [log_dir / f"{stem}.rank{rank}.log" for rank in range(spec.world_size)]
     processes: list[subprocess.Popen[bytes]] = []
@@ -910,6 +941,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="where the chart goes")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
     parser.add_argument("--log-dir", type=Path, default=None, help="where rank logs go (default: a temp dir)")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help=f"write a torch.profiler trace of the first {TRACED_STEPS} measured steps of every run "
+                             "there (<config>.round<k>.rank<r>.json and .txt); those steps run slower, so read the "
+                             "table of a traced run for nothing but the traces")
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
@@ -929,6 +964,8 @@ def main(argv: Sequence[str]) -> int:
     configs = [c for c in CONFIGS if c in args.configs or c == BASELINE]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="peers_"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    if args.trace_dir is not None:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
     knobs = model_knobs(args)
     device = _default_device(args.world_size) if args.device == "auto" else args.device
     base = PeerSpec(BASELINE, args.world_size, args.warmup, args.steps, args.precision, device, knobs,
@@ -943,7 +980,7 @@ def main(argv: Sequence[str]) -> int:
             if previous and all(r.error for r in previous):
                 continue  # a configuration that failed once (deepspeed missing, a crash) fails again
             print(f"round {round_index + 1}/{args.rounds}: {config} on {args.world_size} ranks ...", flush=True)
-            result = run_peer(replace(base, config=config), log_dir, args.timeout, round_index)
+            result = run_peer(replace(base, config=config), log_dir, args.timeout, round_index, args.trace_dir)
             if result.error:
                 print(f"  {config} failed: {result.error}", flush=True)
             previous.append(result)
@@ -957,6 +994,8 @@ def main(argv: Sequence[str]) -> int:
     write_chart(results, args.out, f"{args.world_size} ranks, {device}, {args.precision}, GPT"
                 f" {knobs.n_layer}x{knobs.n_embd}: ratio to DDP (lower is better)")
     print(f"rank logs: {log_dir}")
+    if args.trace_dir is not None:
+        print(f"traces: {args.trace_dir}")
     if device == "cpu":
         _warn_if_shared(cpu_before, _cpu_seconds(), wall_s)
     return 0
