@@ -182,6 +182,29 @@ def test_without_flock_only_a_lock_older_than_the_timeout_is_removed(
 
 
 @pytest.mark.skipif(_build.fcntl is None, reason="no flock on this platform")
+def test_a_lock_made_on_another_host_is_left_to_its_age(tmp_path: Path) -> None:
+    """A shared cache whose locks may be per node: another host's build lock is removed only once
+    older than the timeout; this host's (its builder dead, as the flock proves) at once."""
+    torch_lock = tmp_path / _build.TORCH_LOCK
+    torch_lock.touch()
+    (tmp_path / _build.BUILDER_LOCK).write_text("pid 4242 on some-other-host\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _build.builder_lock(tmp_path, NAME, timeout=60):
+            assert torch_lock.exists()
+    assert (tmp_path / _build.BUILDER_LOCK).read_text().startswith(f"pid {os.getpid()} on ")
+    # The last holder is now this process, on this host: a lock left now is a dead builder's.
+    with pytest.warns(RuntimeWarning, match="removed"), _build.builder_lock(tmp_path, NAME, timeout=60):
+        assert not torch_lock.exists()
+    torch_lock.touch()
+    (tmp_path / _build.BUILDER_LOCK).write_text("pid 4242 on some-other-host\n")
+    old = time.time() - 120
+    os.utime(torch_lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="removed"), _build.builder_lock(tmp_path, NAME, timeout=60):
+        assert not torch_lock.exists()
+
+
+@pytest.mark.skipif(_build.fcntl is None, reason="no flock on this platform")
 def test_a_file_system_without_locks_falls_back_to_the_age_rule(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

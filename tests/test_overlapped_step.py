@@ -145,6 +145,27 @@ def _engine_run(keywords: dict[str, Any], make_optimizer: Callable[[Groups], tor
     return out
 
 
+def _post_hook_views() -> dict[str, Any]:
+    """A step post hook reading the module (as an EMA would), under bf16 offload, where the CPU
+    step writes this rank's chunk of the parameters before the all-gather fills the others."""
+    model = _Net()
+    config = ZeroConfig(stage=2, reduce_bucket_size=500, offload_optimizer=CPUOffloadPolicy())
+    engine = make_engine(model, Collectives(), config, torch.bfloat16, torch.device("cpu"))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.05))
+    seen: list[list[Tensor]] = []
+    optimizer.optimizer.register_step_post_hook(
+        lambda opt, args, kwargs: seen.append([p.detach().clone() for p in model.parameters()]))
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    after: list[list[Tensor]] = []
+    for _ in range(2):
+        model(torch.randn(4, 6, generator=generator).to(torch.bfloat16)).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after.append([p.detach().clone() for p in model.parameters()])
+    engine.remove_hooks()
+    return {"seen": seen, "after": after}
+
+
 class _ReadsGradients(pl.Callback):
     """A callback reading the gradients before the step: every reduction must have landed."""
 
@@ -183,7 +204,8 @@ def _cases() -> dict[str, Any]:
         "overlapped_own_step": _trainer_run(True, offload=False),  # the optimizer's own step, by bucket
         "plain_own_step": _trainer_run(False, offload=False),
     }
-    return {"engine": engine, "trainer": trainer, "reader_synced": reader.synced, "global_hooks": _global_hook_runs()}
+    return {"engine": engine, "trainer": trainer, "reader_synced": reader.synced, "global_hooks": _global_hook_runs(),
+            "post_hook": _post_hook_views()}
 
 
 def _global_hook_runs() -> dict[str, list[str]]:
@@ -292,3 +314,16 @@ def test_torchs_global_step_hooks_run_once_per_step(runs: list[dict[str, Any]]) 
 def test_overlap_step_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="overlap_step='yes' must be of type bool"):
         ZeroConfig(overlap_step="yes")  # type: ignore[arg-type]
+
+
+def test_a_step_post_hook_sees_the_stepped_model_on_every_rank(runs: list[dict[str, Any]]) -> None:
+    """[Note: the user's step hooks]: the post hook runs after the all-gather, so what it reads of
+    the module is what the step leaves, the same on both ranks (not this rank's chunk new and the
+    rest old)."""
+    views = [run["post_hook"] for run in runs]
+    for view in views:
+        assert len(view["seen"]) == len(view["after"]) == 2
+        for seen, after in zip(view["seen"], view["after"]):
+            assert all(torch.equal(a, b) for a, b in zip(seen, after))
+    for first, second in zip(views[0]["seen"], views[1]["seen"]):
+        assert all(torch.equal(a, b) for a, b in zip(first, second))

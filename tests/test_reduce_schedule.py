@@ -548,6 +548,8 @@ def test_the_first_reduction_after_zeroing_lands_straight_in_the_master_gradient
 
     reduction.zero_master_grad()
     _give(schedule, reduction, grad, task=4)
+    with pytest.raises(RuntimeError, match="still writes into the master gradient"):
+        reduction.zero_master_grad()  # zero_grad drops reductions first; zeroing under one is a bug
     fake.handles[-1].release()  # it wrote into the master gradient, but never landed
     schedule.drop()
     assert reduction.master_grad_zero and not reduction.master_grad.any()

@@ -176,8 +176,11 @@ def build_timeout() -> float:
 # timeout. A builder killed mid-build (Ctrl-C twice, SIGKILL, a job's time limit) leaves the
 # file behind and every later load of that extension waits forever. So each of our loads first
 # holds an flock on a file of our own in the same directory: the kernel drops an flock when its
-# process dies, so while we hold it no live lightning_zero process is inside load() for this
-# directory, and a `lock` file found then was left by a dead one. We delete it with a warning.
+# process dies, so while we hold it no live lightning_zero process of this host is inside load()
+# for this directory, and a `lock` file found then, made by a process of this host (our file
+# names the last holder), was left by a dead one. We delete it with a warning. One made by another
+# host (a shared cache on a file system whose locks may be per node) counts as left behind once
+# older than the timeout.
 # Waiting for a live builder is bounded (build_timeout()) and ends in an error naming the file
 # and the holder, which the caller turns into the fallback: never a hang. Without flock
 # (Windows, or a file system without locks) a `lock` older than the timeout counts as left behind.
@@ -200,10 +203,16 @@ def builder_lock(directory: Path, name: str, timeout: float | None = None) -> It
             return
         try:
             handle.seek(0)
+            last = handle.read().strip()  # the last holder: "pid N on HOST"
+            here = socket.gethostname()
+            handle.seek(0)
             handle.truncate()
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            handle.write(f"pid {os.getpid()} on {here}\n")
             handle.flush()
-            remove_left_lock(directory / TORCH_LOCK, name)
+            # Some network file systems lock per node only (NFS with local_lock, Lustre localflock):
+            # there the lock proves nothing about another host's builder, which only age retires.
+            same_host = last.endswith(f" on {here}")
+            remove_left_lock(directory / TORCH_LOCK, name, older_than=0.0 if same_host else timeout)
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -355,8 +355,8 @@ class ShardedOptimizer(Optimizer):
         trained = self.layout.trained_masters(had_grad)
         with self._masters_in_param_groups(trained), self._user_step_hooks():
             self._run_optimizer(trained)
-        self._grad_coefficient = None
-        self.layout.publish()
+            self._grad_coefficient = None
+            self.layout.publish()  # before the post hooks (see [Note: the user's step hooks])
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         return loss
@@ -396,8 +396,10 @@ class ShardedOptimizer(Optimizer):
     # Hooks registered on the user's optimizer (register_step_pre_hook / register_step_post_hook)
     # run once per applied step, as torch runs them around its step(): with the param groups
     # listing this rank's masters (what the step updates), the pre hooks before the first master
-    # changes and the post hooks after the last one did (before the all-gather publishes them into
-    # the parameters). The fused kernels update masters without calling that step(), and it may
+    # changes and the post hooks after the last one did and the all-gather published them into the
+    # parameters: a post hook reading the module (an EMA, say) sees the stepped model, the same on
+    # every rank, as after torch's step (the CPU step writes this rank's chunk of the parameters
+    # before the gather fills the rest). The fused kernels update masters without calling that step(), and it may
     # run for only some of the masters, so ZeroOptimizer calls the hooks itself, as torch does
     # (``args`` is ``(optimizer,)``: the closure, if any, has run; a pre hook may return new
     # arguments, which nothing here takes), and its own calls of the optimizer's step() run no

@@ -282,6 +282,8 @@ class Reduction:
 
     def zero_master_grad(self) -> None:
         """Zeroes ``master_grad`` (zero_grad), so that the next reduction may write straight into it."""
+        if self._into_master and self.state is GradState.REDUCING:
+            raise RuntimeError(f"{self.name}: its reduction still writes into the master gradient; drop() it first")
         self.master_grad.zero_()
         self.master_grad_zero = True
 
@@ -346,8 +348,8 @@ class Reduction:
         if self._landed is not None:
             self._landed.synchronize()  # the pinned buffer is written no more
         if self._into_master:
+            self._into_master = False  # waited for above: nothing writes into it any more
             self.zero_master_grad()  # it held this reduction's partial result, which never landed
-            self._into_master = False
         self._handle = None
         self._landed = None
         self._output = None
