@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -163,43 +164,43 @@ def test_a_build_that_times_out_falls_back_and_says_why(tmp_path: Path, monkeypa
     assert str(tmp_path / NAME / _build.BUILDER_LOCK) in reason
 
 
+def _only_an_old_lock_is_removed(directory: Path, before_each: Callable[[], object] = lambda: None) -> None:
+    """The age rule: a torch lock younger than the timeout (60 s here) may be a live build and is
+    kept, without a warning; one of 120 s is removed, with one. ``before_each`` runs before each
+    builder_lock (to name the last holder again)."""
+    torch_lock = directory / _build.TORCH_LOCK
+    torch_lock.touch()
+    before_each()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _build.builder_lock(directory, NAME, timeout=60):
+            assert torch_lock.exists()
+    old = time.time() - 120
+    os.utime(torch_lock, (old, old))
+    before_each()
+    with pytest.warns(RuntimeWarning, match="removed .*lock.* 1[12][0-9] s old"), _build.builder_lock(
+        directory, NAME, timeout=60
+    ):
+        assert not torch_lock.exists()
+
+
 def test_without_flock_only_a_lock_older_than_the_timeout_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_build, "fcntl", None)
-    torch_lock = tmp_path / _build.TORCH_LOCK
-    torch_lock.touch()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with _build.builder_lock(tmp_path, NAME, timeout=60):
-            assert torch_lock.exists()  # a minute-young lock may be a live build
-    old = time.time() - 120
-    os.utime(torch_lock, (old, old))
-    with pytest.warns(RuntimeWarning, match="removed .*lock.* 1[12][0-9] s old"), _build.builder_lock(
-        tmp_path, NAME, timeout=60
-    ):
-        assert not torch_lock.exists()
+    _only_an_old_lock_is_removed(tmp_path)
 
 
 @pytest.mark.skipif(_build.fcntl is None, reason="no flock on this platform")
 def test_a_lock_made_on_another_host_is_left_to_its_age(tmp_path: Path) -> None:
     """A shared cache whose locks may be per node: another host's build lock is removed only once
     older than the timeout; this host's (its builder dead, as the flock proves) at once."""
+    builder_lock = tmp_path / _build.BUILDER_LOCK
+    _only_an_old_lock_is_removed(tmp_path, lambda: builder_lock.write_text("pid 4242 on some-other-host\n"))
+    assert builder_lock.read_text().startswith(f"pid {os.getpid()} on ")
+    # The last holder is now this process, on this host: a lock left now is a dead builder's.
     torch_lock = tmp_path / _build.TORCH_LOCK
     torch_lock.touch()
-    (tmp_path / _build.BUILDER_LOCK).write_text("pid 4242 on some-other-host\n")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with _build.builder_lock(tmp_path, NAME, timeout=60):
-            assert torch_lock.exists()
-    assert (tmp_path / _build.BUILDER_LOCK).read_text().startswith(f"pid {os.getpid()} on ")
-    # The last holder is now this process, on this host: a lock left now is a dead builder's.
-    with pytest.warns(RuntimeWarning, match="removed"), _build.builder_lock(tmp_path, NAME, timeout=60):
-        assert not torch_lock.exists()
-    torch_lock.touch()
-    (tmp_path / _build.BUILDER_LOCK).write_text("pid 4242 on some-other-host\n")
-    old = time.time() - 120
-    os.utime(torch_lock, (old, old))
     with pytest.warns(RuntimeWarning, match="removed"), _build.builder_lock(tmp_path, NAME, timeout=60):
         assert not torch_lock.exists()
 
@@ -215,16 +216,7 @@ def test_a_file_system_without_locks_falls_back_to_the_age_rule(
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    torch_lock = tmp_path / _build.TORCH_LOCK
-    torch_lock.touch()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with _build.builder_lock(tmp_path, NAME, timeout=60):
-            assert torch_lock.exists()  # young: may be a live build on another host
-    old = time.time() - 120
-    os.utime(torch_lock, (old, old))
-    with pytest.warns(RuntimeWarning, match="removed"), _build.builder_lock(tmp_path, NAME, timeout=60):
-        assert not torch_lock.exists()
+    _only_an_old_lock_is_removed(tmp_path)
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-5"])
