@@ -190,14 +190,10 @@ def builder_lock(directory: Path, name: str, timeout: float | None = None) -> It
     build lock]); raises TimeoutError after ``timeout`` seconds (default :func:`build_timeout`)."""
     timeout = build_timeout() if timeout is None else timeout
     directory.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
-        remove_left_lock(directory / TORCH_LOCK, name, older_than=timeout)
-        yield
-        return
     path = directory / BUILDER_LOCK
     with open(path, "a+") as handle:
-        if not _flock(handle, path, name, timeout):
-            # A file system without locks (some network and FUSE mounts): the age rule, as on Windows.
+        if fcntl is None or not _flock(handle, path, name, timeout):
+            # No flock (Windows) or a file system without locks (some network and FUSE mounts).
             remove_left_lock(directory / TORCH_LOCK, name, older_than=timeout)
             yield
             return

@@ -298,7 +298,8 @@ def fused_adam_steps(
     **hyper: Any,
 ) -> None:
     """:func:`fused_adam_step` (its keywords in ``hyper``, ``grad_scale`` a float) over lists the
-    caller has checked (``multi_tensor_adam_step`` does), empty tensors skipped. The C++ op checks
+    caller has checked (``multi_tensor_adam_step`` does) or built (the engine's flat fp32 CPU chunks,
+    ``offload.step.cpu_adam_steps``), empty tensors skipped. The C++ op checks
     devices, dtypes and sizes itself; the Python checks per tensor are what this leaves out (a
     third of the step's host time for a bucket of small pieces). Without the op, the checked
     fallback of :func:`fused_adam_step`."""

@@ -218,16 +218,17 @@ class FlatParamBuffer:
             # The fused steps, fp32 masters only, write the low-precision copy: the C++ CPU step
             # into pinned CPU staging (see [Note: offloaded step] in offload/step.py), the device
             # step into a device chunk the all-gather sends as it is (see [Note: fused device
-            # step] in zero/device_step.py).
-            # With the parameters on the CPU themselves, the step writes straight into this rank's
-            # chunk of them, which the all-gather then sends as it is: no staging buffer, and no
-            # copy into the gathered output.
+            # step] in zero/device_step.py). With the parameters on the CPU themselves, either
+            # step writes straight into this rank's chunk of them, which the all-gather then sends
+            # as it is: no staging buffer, and no copy into the gathered output.
             fused_out = self.master_dtype == torch.float32 and dtype != torch.float32
-            if fused_out and device.type == "cpu" and (offload is not None or stage_on_device) and master_device == device:
+            offload_step = offload is not None and master_device.type == "cpu"
+            device_step = stage_on_device and master_device == device
+            if fused_out and device.type == "cpu" and (offload_step or device_step):
                 bucket.staging = bucket.owned_chunk(param_data)
-            elif offload is not None and master_device.type == "cpu" and fused_out:
+            elif fused_out and offload_step:
                 bucket.staging = placement.zeros(bucket.shard_numel, CPU, dtype)
-            elif stage_on_device and master_device == device and fused_out:
+            elif fused_out and device_step:
                 bucket.staging = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
             self.buckets.append(bucket)
             self.slots.extend(bucket.slots)

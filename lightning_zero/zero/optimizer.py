@@ -399,11 +399,11 @@ class ShardedOptimizer(Optimizer):
     # changes and the post hooks after the last one did and the all-gather published them into the
     # parameters: a post hook reading the module (an EMA, say) sees the stepped model, the same on
     # every rank, as after torch's step (the CPU step writes this rank's chunk of the parameters
-    # before the gather fills the rest). The fused kernels update masters without calling that step(), and it may
-    # run for only some of the masters, so ZeroOptimizer calls the hooks itself, as torch does
-    # (``args`` is ``(optimizer,)``: the closure, if any, has run; a pre hook may return new
-    # arguments, which nothing here takes), and its own calls of the optimizer's step() run no
-    # hook (_inner_step). A skipped step (overflow, no gradient) runs none, as under GradScaler.
+    # before the gather fills the rest). The fused kernels update masters without calling that
+    # step(), and it may run for only some of the masters, so ZeroOptimizer calls the hooks
+    # itself, as torch does (``args`` is ``(optimizer,)``: the closure, if any, has run; a pre hook
+    # may return new arguments, which nothing here takes), and its own calls of the optimizer's
+    # step() run no hook (_inner_step). A skipped step (overflow, no gradient) runs none, as under GradScaler.
     # While any is registered the step is the plain one, never the overlapped one. torch's global
     # optimizer hooks run once per step() call, on ZeroOptimizer's own.
     @contextlib.contextmanager
