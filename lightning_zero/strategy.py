@@ -56,8 +56,13 @@ from lightning_zero.checkpoint.sharded import (
 )
 from lightning_zero.checkpoint.state import (
     AVERAGE_KEY,
+    AVERAGE_MARK,
+    SWA_MARK,
     average_entries,
+    state_in_pieces,
     load_average,
+    swa_average_key,
+    whole_average,
     check_full_optimizer_states,
     check_full_state_fits,
     load_into,
@@ -98,14 +103,18 @@ from lightning_zero.zero.optimizer import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
-# Marks, in a sharded checkpoint's Lightning part, that it holds a WeightAveraging callback's average.
-_AVERAGE_MARK = "lightning_zero_weight_average"
 
 # The callbacks that copy the module at setup to average its weights (WeightAveraging: lightning>=2.6).
 _WEIGHT_AVERAGING_CALLBACKS: tuple[type, ...] = tuple(
     cls for cls in (getattr(pl.callbacks, name, None) for name in ("StochasticWeightAveraging", "WeightAveraging"))
     if cls is not None
 )
+# In a whole checkpoint loaded at stage 3 with a WeightAveraging callback: the trained weights, whole,
+# for load_model_state_dict (the checkpoint's "state_dict" then holds the average's pieces).
+_WHOLE_MODEL_STATE = "lightning_zero_whole_model_state"
+# Of those, the ones that swap a checkpoint's "state_dict" for their average (and back on load).
+_SWAPPING_AVERAGES: tuple[type, ...] = tuple(cls for cls in (getattr(pl.callbacks, "WeightAveraging", None),)
+                                             if cls is not None)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 StateDictType = Literal["sharded", "full"]
@@ -898,6 +907,7 @@ class ZeroStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         if self._state_dict_type == "full":
+            checkpoint = self._whole_averages(checkpoint)
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError(
@@ -912,14 +922,37 @@ class ZeroStrategy(ParallelStrategy):
         average = None
         if "current_model_state" in checkpoint:  # see [Note: weight averages in a checkpoint]
             model, average = checkpoint.pop("current_model_state"), model
-            checkpoint[_AVERAGE_MARK] = True
+            checkpoint[AVERAGE_MARK] = True
+        swa = _take_swa_averages(checkpoint)  # see [Note: weight averages in a checkpoint]
+        if swa:
+            checkpoint[SWA_MARK] = list(swa)
         optimizers = [(state["state"], state[META_KEY]) for state in checkpoint.pop("optimizer_states", [])]
         state = sharded_state(module, model, optimizers, checkpoint, self.world_size, self.config.stage, group=None,
                               parallel=self._mesh_description(), placement=self._mesh_placement())
-        if average is not None:
-            state[AVERAGE_KEY] = average_entries(module, average, self._model_pieces(), group=None,
-                                                 placement=self._mesh_placement())
+        averages = {AVERAGE_KEY: average} if average is not None else {}
+        averages.update({swa_average_key(index): values for index, values in enumerate(swa.values())})
+        for namespace, values in averages.items():
+            state[namespace] = average_entries(module, values, self._model_pieces(), group=None,
+                                               placement=self._mesh_placement())
         save_sharded(path, state, group=None)
+
+    def _whole_averages(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """A whole checkpoint's weight averages (WeightAveraging's "state_dict", StochasticWeightAveraging's
+        average_model_state) with whole tensors at stage 3, gathered on rank 0 like the model (a
+        collective; see [Note: weight averages in a whole checkpoint] in checkpoint/state.py)."""
+        module = self.lightning_module
+        if module is None or self.config.stage != 3 or self._engine is None:
+            return checkpoint  # stages 1/2: the averages are whole already
+        checkpoint = dict(checkpoint)
+        keep = self.global_rank == 0
+        if "current_model_state" in checkpoint:
+            checkpoint["state_dict"] = whole_average(checkpoint["state_dict"], module, self._model_pieces(),
+                                                     self.collectives, keep)
+        swa = _take_swa_averages(checkpoint)
+        for key, average in swa.items():
+            whole = whole_average(average, module, self._model_pieces(), self.collectives, keep)
+            checkpoint["callbacks"][key]["average_model_state"] = whole
+        return checkpoint
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -943,11 +976,20 @@ class ZeroStrategy(ParallelStrategy):
             publish_masters(self._engine, self.zero_optimizers)
             self._checkpoint_applied = True
             checkpoint = dict(meta.lightning)
-            if checkpoint.pop(_AVERAGE_MARK, False):
+            if checkpoint.pop(AVERAGE_MARK, False):
                 # WeightAveraging's three keys, as its on_load_checkpoint expects them
                 checkpoint["state_dict"] = load_average(path, read_metadata(path), module, self._model_pieces(), None,
                                                         self._mesh_placement())
                 checkpoint["current_model_state"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            swa_keys = checkpoint.pop(SWA_MARK, [])
+            if swa_keys:
+                checkpoint["callbacks"] = callbacks = dict(checkpoint["callbacks"])
+                for index, key in enumerate(swa_keys):
+                    # StochasticWeightAveraging's state as its load_state_dict expects it
+                    callbacks[key] = dict(callbacks[key])
+                    callbacks[key]["average_model_state"] = load_average(
+                        path, read_metadata(path), module, self._model_pieces(), None, self._mesh_placement(),
+                        namespace=swa_average_key(index))
             has_optimizer_state = bool(meta.optimizers)
             if has_optimizer_state:
                 checkpoint["optimizer_states"] = []  # already in place; Lightning only checks the key
@@ -966,6 +1008,7 @@ class ZeroStrategy(ParallelStrategy):
                     ]
             pieces = self._model_pieces()
             check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading, pieces=pieces)
+            checkpoint = self._state_in_pieces(checkpoint, pieces)
             has_optimizer_state = "optimizer_states" in checkpoint
             if fitting and has_optimizer_state:
                 check_full_optimizer_states(path, checkpoint["optimizer_states"], self.zero_optimizers, pieces)
@@ -973,6 +1016,33 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint.setdefault("pytorch-lightning_version", pl.__version__)
         if fitting and not has_optimizer_state:
             self._start_training_state_afresh(checkpoint, path)
+        return checkpoint
+
+    def _state_in_pieces(self, checkpoint: dict[str, Any], pieces: list[ParamPiece]) -> dict[str, Any]:
+        """The weight averages of a whole checkpoint in the form this rank's averaged copy holds
+        them: pieces at stage 3 (see [Note: weight averages in a whole checkpoint])."""
+        module = self.lightning_module
+        if module is None or self.config.stage != 3:
+            return checkpoint
+        rank = self.collectives.rank
+        checkpoint = dict(checkpoint)
+        trainer = module._trainer
+        swaps = trainer is not None and any(isinstance(c, _SWAPPING_AVERAGES) for c in trainer.callbacks)
+        if "current_model_state" in checkpoint and swaps:
+            # Lightning loads "state_dict" (the average) into the model; then a WeightAveraging callback
+            # loads it into its average and "current_model_state" into the module with a plain
+            # load_state_dict: both must be this rank's pieces. load_model_state_dict takes the
+            # whole trained weights instead. Without such a callback the average is the model, whole.
+            checkpoint[_WHOLE_MODEL_STATE] = checkpoint["current_model_state"]
+            for key in ("state_dict", "current_model_state"):
+                checkpoint[key] = state_in_pieces(checkpoint[key], module, pieces, rank)
+        callbacks = checkpoint.get("callbacks")
+        if isinstance(callbacks, dict):
+            checkpoint["callbacks"] = callbacks = dict(callbacks)
+            for key, state in callbacks.items():
+                if _is_swa_state(state):
+                    callbacks[key] = {**state, "average_model_state": state_in_pieces(
+                        state["average_model_state"], module, pieces, rank)}
         return checkpoint
 
     def _this_stage_of_full_checkpoint(self, path: Path, checkpoint: dict[str, Any], fitting: bool) -> dict[str, Any]:
@@ -1010,7 +1080,7 @@ class ZeroStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._checkpoint_applied:
             return
-        state = dict(checkpoint["state_dict"])
+        state = dict(checkpoint.get(_WHOLE_MODEL_STATE, checkpoint["state_dict"]))
         if self._engine is None:
             assert self.lightning_module is not None
             self.lightning_module.load_state_dict(state, strict=strict)
@@ -1164,6 +1234,27 @@ def _resolve_config(stage: int | None, config: ZeroConfig | Mapping[str, Any] | 
             f"ZeroStrategy(stage={stage!r}) disagrees with config.stage={config.stage!r}; give the stage once."
         )
     return config
+
+
+def _is_swa_state(state: Any) -> bool:
+    """Whether a callback state in a checkpoint is StochasticWeightAveraging's, with its average."""
+    return isinstance(state, Mapping) and isinstance(state.get("average_model_state"), Mapping) \
+        and {"n_averaged", "latest_update_epoch"} <= set(state)
+
+
+def _take_swa_averages(checkpoint: dict[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """Takes the averages of StochasticWeightAveraging callbacks out of ``checkpoint`` (its
+    "callbacks" copied, each such state left with ``average_model_state=None``); by state key, in
+    order. At stage 3 an average holds this rank's pieces: saved once from rank 0, as Lightning
+    saves callback states, it would give every rank rank 0's pieces back."""
+    callbacks = checkpoint.get("callbacks")
+    if not isinstance(callbacks, dict):
+        return {}
+    taken = {key: state["average_model_state"] for key, state in callbacks.items() if _is_swa_state(state)}
+    if taken:
+        checkpoint["callbacks"] = {key: {**state, "average_model_state": None} if key in taken else state
+                                   for key, state in callbacks.items()}
+    return taken
 
 
 def _refuse_weight_averaging(module: Module, layout: str, copy_would: str, fix: str) -> None:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from harness import launched_environment, run_on_ranks
-from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero import ZeroConfig, ZeroStrategy, consolidate
 from lightning_zero.offload import CPUOffloadPolicy
 from models import VOCAB, TiedGPT, TinyGPT, fit, loader, max_abs_diff, params_of, token_data
 
@@ -134,6 +134,55 @@ def _ema_resume(strategy: Any, directory: str) -> dict[str, Any]:
                         ckpt_path=f"{directory}/last.ckpt" if name == "resumed" else None)
         out[name] = {"params": params_of(module), "val": float(trainer.callback_metrics["val_loss"])}
     return out
+
+
+def _averaging(kind: str) -> Callback:
+    return StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1) if kind == "swa" else EMAWeightAveraging(decay=0.9)
+
+
+def _average_of(callback: Callback) -> dict[str, Tensor]:
+    average = callback._average_model
+    modules = average.module if isinstance(average, torch.optim.swa_utils.AveragedModel) else average
+    return {name: p.detach().reshape(-1).clone() for name, p in modules.named_parameters()}
+
+
+def _average_resume(kind: str, state_dict_type: str, directory: str) -> dict[str, Any]:
+    """ZeRO-3 with SWA or EMA, checkpoints of ``state_dict_type``: 3 epochs straight, and 2 then a
+    resume; the trained weights and the average at the end of each."""
+    kwargs = dict(limit_train_batches=4, limit_val_batches=2, num_sanity_val_steps=0)
+    out = {}
+    for name in ("straight", "resumed"):
+        pl.seed_everything(0)
+        module, callback = TinyGPT(), _averaging(kind)
+        with launched_environment():
+            if name == "resumed":
+                strategy = ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=UNIT), state_dict_type=state_dict_type)
+                first = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy,
+                                   max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                   callbacks=[callback, ModelCheckpoint(dirpath=directory, save_last=True)], **kwargs)
+                first.fit(module, loader(), loader(samples=16))
+                out["file"] = _whole_file(f"{directory}/last.ckpt", state_dict_type) if first.global_rank == 0 else {}
+                pl.seed_everything(0)
+                module, callback = TinyGPT(), _averaging(kind)
+            trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=zero3(), max_epochs=3, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 callbacks=[callback], **kwargs)
+            trainer.fit(module, loader(), loader(samples=16),
+                        ckpt_path=f"{directory}/last.ckpt" if name == "resumed" else None)
+        out[name] = {"params": params_of(module), "average": _average_of(callback)}
+    return out
+
+
+def _whole_file(path: str, state_dict_type: str) -> dict[str, Any]:
+    """The model and the average of a whole checkpoint: the file itself, or a sharded one's export."""
+    if state_dict_type == "sharded":
+        path = str(consolidate(path, f"{path}.pt", progress=False))
+    checkpoint = torch.load(path, weights_only=False)
+    swa = [state["average_model_state"] for key, state in checkpoint["callbacks"].items()
+           if key.startswith("StochasticWeightAveraging")]
+    if swa:
+        return {"model": checkpoint["state_dict"], "average": swa[0]}
+    return {"model": checkpoint["current_model_state"], "average": checkpoint["state_dict"]}
 
 
 # ---------------------------------------------------------------------------------------- forward outside steps
@@ -364,6 +413,8 @@ def _all(directory: str) -> dict[str, Any]:
     return {
         "ema_resume": {name: _ema_resume(strategy, f"{directory}/{name}") for name, strategy in (
             ("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", zero3))},
+        "average_resume": {f"{kind}_{kind_of_file}": _average_resume(kind, kind_of_file, f"{directory}/{kind}_{kind_of_file}")
+                           for kind in ("swa", "ema") for kind_of_file in ("sharded", "full")},
         "reads_zero3": _reads(zero3()),
         "reads_zero3_offload": _reads(zero3_offload()),
         "writes": {name: _writes(strategy()) for name, strategy in (
@@ -507,6 +558,27 @@ def test_an_ema_run_resumes_from_its_sharded_checkpoint_exactly() -> None:
             assert max_abs_diff(runs["resumed"]["params"], runs["straight"]["params"]) == 0.0, name
             assert runs["resumed"]["val"] == runs["straight"]["val"]
         assert per_rank["ema_resume"]["zero3"]["straight"]["val"] == per_rank["ema_resume"]["zero2"]["straight"]["val"]
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_a_weight_average_resumes_exactly_at_stage_3(kind: str, state_dict_type: str) -> None:
+    # Each rank's average holds its own pieces: a checkpoint that kept rank 0's (Lightning saves a
+    # callback's state once) gave rank 1 rank 0's values back, silently.
+    for per_rank in outcome():
+        runs = per_rank["average_resume"][f"{kind}_{state_dict_type}"]
+        assert max_abs_diff(runs["resumed"]["average"], runs["straight"]["average"]) == 0.0
+        assert max_abs_diff(runs["resumed"]["params"], runs["straight"]["params"]) == 0.0
+    # The whole file (a "full" save, or the export of a sharded one) holds the average whole, as DDP
+    # would write it: the same values both ways, the parameters' true shapes.
+    rank0 = outcome()[0]["average_resume"]
+    full, export = rank0[f"{kind}_full"]["file"], rank0[f"{kind}_sharded"]["file"]
+    shapes = {name: tuple(param.shape) for name, param in TinyGPT().named_parameters()}
+    for name, shape in shapes.items():
+        assert tuple(full["average"][name].shape) == shape and tuple(full["model"][name].shape) == shape
+        assert torch.equal(full["average"][name], export["average"][name]), name
+        assert torch.equal(full["model"][name], export["model"][name]), name
+    assert any(not torch.equal(full["average"][name], full["model"][name]) for name in shapes)  # an average
 
 
 def test_a_rank_dependent_number_of_backward_calls_is_an_error_on_every_rank() -> None:

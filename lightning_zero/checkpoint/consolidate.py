@@ -27,6 +27,7 @@ from lightning_zero.checkpoint.serialization import (
     save_safetensors_streamed,
     save_torch_streamed,
 )
+from lightning_zero.checkpoint.state import AVERAGE_KEY, AVERAGE_MARK, SWA_MARK, swa_average_key
 from lightning_zero.checkpoint.sharded import (
     MODEL_KEY,
     CheckpointError,
@@ -108,12 +109,22 @@ def consolidate(
         structure = dict(meta.lightning)
         states, optimizer_entries = _optimizer_states(source, metadata, meta)
         structure["optimizer_states"] = states
-    structure["state_dict"] = {
-        key: TensorRef(entry.source, entry.dtype, entry.shape) if isinstance(entry, _Entry) else entry
-        for key, entry in model.items()
-    }
+    structure["state_dict"] = _refs(model)
     tensors = {e.source: e for e in model.values() if isinstance(e, _Entry)}
     tensors.update({e.source: e for e in optimizer_entries})
+    swa_keys = structure.pop(SWA_MARK, [])
+    if structure.pop(AVERAGE_MARK, False):
+        # WeightAveraging's layout, as it saves under any other strategy: the average as the
+        # module's state dict, the trained weights beside it.
+        average = _average_entries(source, metadata, meta, AVERAGE_KEY, out_dtype)
+        structure["current_model_state"], structure["state_dict"] = structure["state_dict"], _refs(average)
+        tensors.update({e.source: e for e in average.values() if isinstance(e, _Entry)})
+    if swa_keys and "callbacks" in structure:
+        structure["callbacks"] = callbacks = dict(structure["callbacks"])
+        for index, key in enumerate(swa_keys):  # StochasticWeightAveraging keeps its average in its own state
+            average = _average_entries(source, metadata, meta, swa_average_key(index), out_dtype)
+            callbacks[key] = {**callbacks[key], "average_model_state": _refs(average)}
+            tensors.update({e.source: e for e in average.values() if isinstance(e, _Entry)})
     save_torch_streamed(target, structure, _stream(source, metadata, list(tensors.values()), progress, by_key=False))
     return target
 
@@ -155,6 +166,38 @@ def _model_entries(path: Path, metadata: Metadata, meta: CheckpointMeta, dtype: 
             objects.append((key, source))
         else:
             raise CheckpointError(f"{path} lists '{key}' in the model but holds no data for it: the checkpoint is damaged.")
+    if objects:
+        values = _read_objects(path, metadata, [source for _, source in objects])
+        for key, source in objects:
+            result[key] = values[source]
+    return result
+
+
+def _refs(entries: dict[str, Any]) -> dict[str, Any]:
+    """A state dict of placeholders for the tensors streamed in later."""
+    return {key: TensorRef(entry.source, entry.dtype, entry.shape) if isinstance(entry, _Entry) else entry
+            for key, entry in entries.items()}
+
+
+def _average_entries(path: Path, metadata: Metadata, meta: CheckpointMeta, namespace: str,
+                     dtype: torch.dtype) -> dict[str, Any]:
+    """A weight average saved under ``namespace`` (see [Note: weight averages in a checkpoint] in
+    state.py), keyed and ordered like the module's state dict, whole."""
+    prefix = namespace + "."
+    saved = [fqn[len(prefix):] for fqn in metadata.state_dict_metadata if fqn.startswith(prefix)]
+    order = {key: index for index, key in enumerate(meta.model_keys)}
+    result: dict[str, Any] = {}
+    objects: list[tuple[str, str]] = []
+    for key in sorted(saved, key=lambda key: order.get(key, len(order))):
+        source = prefix + key
+        md = metadata.state_dict_metadata[source]
+        if isinstance(md, TensorStorageMetadata):
+            saved_dtype = md.properties.dtype
+            cast = saved_dtype.is_floating_point and saved_dtype.itemsize <= 4
+            result[key] = _Entry(key, source, tuple(md.size), saved_dtype, dtype if cast else saved_dtype)
+        else:
+            result[key] = None
+            objects.append((key, source))
     if objects:
         values = _read_objects(path, metadata, [source for _, source in objects])
         for key, source in objects:

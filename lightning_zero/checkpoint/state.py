@@ -252,6 +252,11 @@ def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.P
 # and current state in the form its parameters have (pieces at stage 3), which the callback
 # copies into them.
 AVERAGE_KEY = "weight_average"
+# In the Lightning part of a sharded checkpoint: that it holds a WeightAveraging callback's average
+# (under AVERAGE_KEY), and the state keys of the StochasticWeightAveraging callbacks whose averages
+# it holds, in the order of their namespaces (swa_average_key).
+AVERAGE_MARK = "lightning_zero_weight_average"
+SWA_MARK = "lightning_zero_swa_averages"
 
 
 def average_entries(
@@ -274,14 +279,14 @@ def average_entries(
 
 def load_average(
     path: Path, metadata: Metadata, module: nn.Module, pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None,
-    placement: MeshPlacement | None = None,
+    placement: MeshPlacement | None = None, namespace: str = AVERAGE_KEY,
 ) -> dict[str, Any]:
-    """The weight average saved by :func:`average_entries`, each tensor as this rank's parameter
-    holds it (a piece where the parameter shows one). A collective."""
+    """The weight average saved by :func:`average_entries` under ``namespace``, each tensor as this
+    rank's parameter holds it (a piece where the parameter shows one). A collective."""
     rank = _piece_rank(group, placement)
     by_key = _pieces_by_key(module, pieces)
     mine = dict(module.state_dict())
-    prefix = AVERAGE_KEY + "."
+    prefix = namespace + "."
     targets: dict[str, Any] = {}
     local: dict[str, Tensor] = {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -297,10 +302,72 @@ def load_average(
             targets[key] = _sharded(piece, local[key], rank, group, placement)
         else:
             local[key] = targets[key] = torch.zeros(md.size, dtype=md.properties.dtype)
-    state = {AVERAGE_KEY: targets}
+    state = {namespace: targets}
     with torch.no_grad():
         load_sharded(path, metadata, state, group)
-    return {key: local[key] if key in local else from_object_entry(value) for key, value in state[AVERAGE_KEY].items()}
+    return {key: local[key] if key in local else from_object_entry(value) for key, value in state[namespace].items()}
+
+
+def swa_average_key(index: int) -> str:
+    """Where a sharded checkpoint keeps the average of the ``index``-th StochasticWeightAveraging
+    callback (its state key, full of dots and braces, cannot name a checkpoint entry)."""
+    return f"swa_average_{index}"
+
+
+# [Note: weight averages in a whole checkpoint]
+# A whole checkpoint (state_dict_type="full", or an export) is read by any strategy, so the weight
+# average in it is whole too, as DDP would write it. At stage 3 each rank's average holds its
+# pieces: a save gathers them on the saving rank, and a load cuts each rank's pieces out of the
+# whole tensors (no communication). Which keys are gathered depends only on the layout (a piece
+# with a true shape of its own, the same on every rank), never on the sizes a rank happens to
+# hold, so every rank joins the same collectives: a parameter kept whole on every rank (a
+# persistent unit) is gathered too, from each rank's range of it.
+def whole_average(
+    average: Mapping[str, Any], module: nn.Module, pieces: Sequence[ParamPiece], collectives: Any, keep: bool
+) -> dict[str, Any]:
+    """``average`` (a weight average's state dict keyed like ``module``'s; at stage 3 pieces) with
+    whole tensors of the parameters' true shapes, on the rank with ``keep`` ({} elsewhere). A
+    collective over the ranks the pieces are split over (``collectives``: the ZeRO ones)."""
+    by_key = _pieces_by_key(module, pieces)
+    rank = collectives.rank
+    whole: dict[str, Any] = {}
+    for key, value in average.items():
+        piece = by_key.get(key)
+        if isinstance(value, Tensor) and piece is not None and piece.param_shape is not None:
+            mine = value.detach().reshape(-1)
+            if mine.numel() == piece.numel:  # shown whole here: this rank offers its range
+                mine = piece.ranges[rank].slice(mine)
+            share = max(r.size for r in piece.ranges)
+            padded = torch.zeros(share, dtype=mine.dtype, device=mine.device)
+            padded[: mine.numel()] = mine
+            every = torch.empty(share * len(piece.ranges), dtype=mine.dtype, device=mine.device)
+            collectives.all_gather(every, padded).wait()
+            if keep:
+                flat = torch.empty(piece.numel, dtype=mine.dtype)
+                for r, part in enumerate(piece.ranges):
+                    part.slice(flat).copy_(every[r * share : r * share + part.size])
+                whole[key] = flat.view(piece.shape)
+        elif keep:
+            whole[key] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
+    return whole
+
+
+def state_in_pieces(
+    state: Mapping[str, Any], module: nn.Module, pieces: Sequence[ParamPiece], rank: int
+) -> dict[str, Any]:
+    """A whole state dict keyed like ``module``'s (a weight average from a whole checkpoint) in the
+    form this rank's parameters show: at stage 3 each rank's piece, cut out of the whole tensor (see
+    the note above)."""
+    by_key = _pieces_by_key(module, pieces)
+    shown = dict(module.state_dict())
+    result: dict[str, Any] = {}
+    for key, value in state.items():
+        piece, current = by_key.get(key), shown.get(key)
+        if (isinstance(value, Tensor) and piece is not None and isinstance(current, Tensor)
+                and current.numel() != value.numel() and value.numel() == piece.numel):
+            value = piece.ranges[rank].slice(value.reshape(-1)).clone()
+        result[key] = value
+    return result
 
 
 def _pieces_by_key(module: nn.Module, pieces: Sequence[ParamPiece]) -> dict[str, ParamPiece]:
