@@ -96,7 +96,7 @@ from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
-from lightning_zero.zero.consistency import agree_before_step, agree_on_batches, check_same_model
+from lightning_zero.zero.consistency import agree_after_batch, agree_before_step, agree_on_batches, check_same_model
 from lightning_zero.zero.engine import ZeroEngine, make_engine
 from lightning_zero.zero.layout import ParamPiece
 from lightning_zero.zero.optimizer import ShardedOptimizer
@@ -202,6 +202,7 @@ class ZeroStrategy(ParallelStrategy):
         self._pipeline: PipelineRunner | None = None  # this rank's pipeline stages (see [Note: pipeline stages])
         self._engine_collectives: Collectives | CountingCollectives | None = None
         self._synced_backwards = 0  # backward calls whose gradients the next step reduces
+        self._steps_this_batch = 0  # optimizer steps of ZeRO optimizers in this manual training_step
         self._in_no_sync = False
         # The run stopped on an error every rank raised together (a checkpoint that could not be
         # loaded), so teardown's collectives are safe: stage 3 hands the module back whole.
@@ -631,6 +632,7 @@ class ZeroStrategy(ParallelStrategy):
             # another number of backwards (manual optimization) meets the others here or at one of
             # their gathers, and every rank raises (see [Note: ranks that disagree]).
             backwards, self._synced_backwards = self._synced_backwards, 0
+            self._steps_this_batch += 1
             agree_before_step(self.collectives, self._require_engine(), backwards, zero_optimizer)
             if self._gradients_read_before_step(zero_optimizer):
                 zero_optimizer.finish_grad_sync()
@@ -713,12 +715,17 @@ class ZeroStrategy(ParallelStrategy):
         if module is None or module.automatic_optimization:
             return super().training_step(*args, **kwargs)  # released after the closure's backward
         # Manual optimization runs its backwards (and steps) inside training_step.
+        self._steps_this_batch = 0
         try:
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
         finally:
             self._release_root()
             if self._engine is not None:
                 self._engine.free_idle()
+        # Before Lightning's next collective: a rank that skipped a step meets the others' step here
+        # (see [Note: ranks that disagree]).
+        agree_after_batch(self.collectives, self._steps_this_batch, self._synced_backwards)
+        return output
 
     def _pipeline_training_step(self, batch: Any, *rest: Any, **kwargs: Any) -> Any:
         """Forward and backward of every micro-batch through the schedule (see [Note: Lightning

@@ -322,6 +322,26 @@ class UnevenBackwards(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class SkipsABatchOnOneRank(UnevenBackwards):
+    """Manual optimization in which rank 1 skips batch 1 ("a bad batch"): no step there, with
+    (``backward=True``) or without its backward."""
+
+    def __init__(self, backward: bool) -> None:
+        super().__init__()
+        self.backward_on_skip = backward
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        loss = nn.functional.cross_entropy(self.net(batch[0]).flatten(0, 1), batch[1].flatten())
+        if self.global_rank == 1 and batch_idx == 1:
+            if self.backward_on_skip:
+                self.manual_backward(loss)
+            return
+        self.manual_backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 class RankDependentBranch(TiedGPT):
     """The same model everywhere, but rank 1 runs one block fewer: different units per rank."""
 
@@ -342,6 +362,9 @@ def _disagreeing_ranks() -> dict[str, Any]:
     out["regularizer_zero3"] = _error_of(lambda: fit(RegularizedGPT(), zero3(), WORLD, steps=2))
     for name, strategy in (("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", lambda: ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=100)))):
         out[f"backwards_{name}"] = _error_of(lambda: fit(UnevenBackwards(), strategy(), WORLD, steps=2))
+        for backward in (False, True):
+            out[f"skip_{name}_{backward}"] = _error_of(
+                lambda: fit(SkipsABatchOnOneRank(backward), strategy(), WORLD, steps=4))
     # The same uneven data trains when the run takes only batches every rank has, as with DDP.
     out["uneven_but_limited"] = _uneven_data(zero3(), limit_train_batches=3)
     return out
@@ -579,6 +602,19 @@ def test_a_weight_average_resumes_exactly_at_stage_3(kind: str, state_dict_type:
         assert torch.equal(full["average"][name], export["average"][name]), name
         assert torch.equal(full["model"][name], export["model"][name]), name
     assert any(not torch.equal(full["average"][name], full["model"][name]) for name in shapes)  # an average
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_rank_that_skips_a_step_is_an_error_on_every_rank(stage: str, backward: bool) -> None:
+    # Rank 1 went on to the next batch, where Lightning's per-batch broadcast waited for rank 0,
+    # which waited in its step's agreement for rank 1: a deadlock.
+    for per_rank in outcome():
+        run = per_rank["disagree"][f"skip_{stage}_{backward}"]
+        # rank 0 is in its step: its agreement (or, at stage 3, the gather of a unit it steps)
+        assert run["message"].startswith("RanksDisagreeError: The ranks are at different points of the run: rank 0 ")
+        assert "rank 1 ended its training_step after 0 optimizer step(s)." in run["message"]
+        assert run["seconds"] < 60
 
 
 def test_a_rank_dependent_number_of_backward_calls_is_an_error_on_every_rank() -> None:

@@ -368,8 +368,10 @@ class Collectives:
             # The groups made here wait as long as the group they serve: a rank that never joins
             # must time out (an error) when the user's timeout says, not after torch's default.
             timeout = _timeout_of(group)
-            if "gloo" not in self.backend:
-                self._control_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            # A group of its own even under gloo: on the default group an agreement of a rank that
+            # skipped one would pair with Lightning's own collectives (a broadcast every batch) and
+            # hang, where two agreements at different points meet and raise.
+            self._control_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
             # [Note: reductions on their own group] Gradient reductions run in one fixed order on
             # every rank ([Note: one launch order]), but a rank without some gradient launches a
             # reduction later than the others, so relative to the all-gathers (stage 3's backward

@@ -13,7 +13,11 @@ same clear error on every rank when those differ:
 - at stage 3, before each all-gather, which unit it is for (``ZeroConfig.check_gather_order``);
 - before the gradients are reduced for a step, how many synchronized backwards they hold;
 - for each dataloader, its number of batches; where that is unknown (an IterableDataset),
-  before each batch whether this rank has one (``AgreedBatches``).
+  before each batch whether this rank has one (``AgreedBatches``);
+- under manual optimization, after each training_step, how many optimizer steps it took
+  (``agree_after_batch``): a rank that skips a step the others take (returns early from
+  training_step) would otherwise go on to the next batch, where Lightning's own collective
+  (a broadcast every batch) waits for ranks that wait in the step's agreement: a deadlock.
 
 The exchange is one small all-gather of the same size at every such point (``agree_at``), so
 ranks at two different points meet in it and both raise; it runs on a gloo group beside an NCCL
@@ -45,6 +49,7 @@ class Point(enum.IntEnum):
     BATCH = 2  # values: 1 if this rank has a next batch
     GATHER = 3  # values: the unit's number, why it is gathered
     SYNC = 4  # values: synchronized backwards since the last optimizer step, leftover gradients, got every gradient
+    BATCH_END = 5  # values: optimizer steps this training_step took, synchronized backwards not stepped yet
 
 
 _POINT_WIDTH = 4  # the point and three values
@@ -75,6 +80,8 @@ def _describe(row: Sequence[int]) -> str:
         return f"gathers ZeRO-3 unit #{row[1]}"
     if point is Point.SYNC:
         return f"reduces the gradients of {row[1]} backward(s) for an optimizer step"
+    if point is Point.BATCH_END:
+        return f"ended its training_step after {row[1]} optimizer step(s)"
     return f"is at an unknown point {row[0]}"
 
 
@@ -100,6 +107,23 @@ def agree_before_step(collectives: AnyCollectives, engine: Any, backwards: int, 
         )
     if optimizer is not None and all(row[2] for row in rows):
         optimizer.note_every_grad_everywhere()
+
+
+def agree_after_batch(collectives: AnyCollectives, steps: int, pending_backwards: int) -> None:
+    """After a manual-optimization training_step: every rank took as many optimizer steps, and holds
+    as many synchronized backwards not stepped yet (accumulation across batches), or every rank
+    raises. A rank still inside a step (its agreement) meets this one and both raise."""
+    rows = agree_at(collectives, Point.BATCH_END, [steps, pending_backwards])
+    if len({tuple(row) for row in rows}) > 1:
+        steps_by_rank = [row[0] for row in rows]
+        pending_by_rank = [row[1] for row in rows]
+        raise RanksDisagreeError(
+            f"The ranks' training_step took different numbers of optimizer steps (by rank: {steps_by_rank}), or left"
+            f" different numbers of backward calls unstepped (by rank: {pending_by_rank}). Each step reduces"
+            " gradients over all ranks, so every rank must step at the same batches: skip a batch on every rank alike"
+            " (decide it together, e.g. with trainer.strategy.reduce_boolean_decision), or backward and step a zero"
+            " loss ((0 * loss).sum()) on the rank that would skip."
+        )
 
 
 def model_fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
