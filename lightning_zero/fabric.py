@@ -68,6 +68,7 @@ from lightning_zero.strategy import (
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import agree_before_step, check_same_model
 from lightning_zero.zero.engine import ZeroEngine, make_engine
+from lightning_zero.zero.stage3.generation import sync_generation
 from lightning_zero.zero.optimizer import ShardedOptimizer
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -170,6 +171,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._in_no_sync = False
         self._cast_pending = False
         self._forward_handle: Any = None
+        self._unsync_generation: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ precision
     @property
@@ -266,6 +268,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._engine = make_engine(module, self.collectives, self.config, precision.param_dtype, self.root_device,
                                    init=_reset_parameters if on_meta else None)
         self._module = module
+        if self._engine.stage_shards_params and self.collectives.world_size > 1:
+            self._unsync_generation = sync_generation(module)  # see [Note: generation at stage 3]
         self._cast_pending = precision.param_dtype is not None
         self._forward_handle = module.register_forward_pre_hook(self._before_forward)
         return module
@@ -477,6 +481,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     # ------------------------------------------------------------------ teardown and registry
     @override
     def teardown(self) -> None:
+        self._unsync_generation()
+        self._unsync_generation = lambda: None
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None

@@ -98,6 +98,7 @@ from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import agree_after_batch, agree_before_step, agree_on_batches, check_same_model
 from lightning_zero.zero.engine import ZeroEngine, make_engine
+from lightning_zero.zero.stage3.generation import sync_generation
 from lightning_zero.zero.layout import ParamPiece
 from lightning_zero.zero.optimizer import ShardedOptimizer
 
@@ -109,8 +110,8 @@ _WEIGHT_AVERAGING_CALLBACKS: tuple[type, ...] = tuple(
     cls for cls in (getattr(pl.callbacks, name, None) for name in ("StochasticWeightAveraging", "WeightAveraging"))
     if cls is not None
 )
-# In a whole checkpoint loaded at stage 3 with a WeightAveraging callback: the trained weights, whole,
-# for load_model_state_dict (the checkpoint's "state_dict" then holds the average's pieces).
+# In a whole checkpoint loaded at stage 3 with a WeightAveraging callback: its "state_dict" whole, for
+# load_model_state_dict (the checkpoint's "state_dict" then holds the average's pieces).
 _WHOLE_MODEL_STATE = "lightning_zero_whole_model_state"
 # Of those, the ones that swap a checkpoint's "state_dict" for their average (and back on load).
 _SWAPPING_AVERAGES: tuple[type, ...] = tuple(cls for cls in (getattr(pl.callbacks, "WeightAveraging", None),)
@@ -193,6 +194,7 @@ class ZeroStrategy(ParallelStrategy):
         self._collectives = collectives
         # Module-level no-ops, not lambdas: a spawn/fork launcher pickles the strategy.
         self._restore_lr_scheduler_step: Callable[[], Any] = _do_nothing
+        self._unsync_generation: Callable[[], None] = _do_nothing
         self._restore_optimizer_zero_grad: Callable[[], Any] = _do_nothing
         self._zero_grad_of_window: Callable[..., Any] = _do_nothing  # the module's own optimizer_zero_grad
         self._engine: ZeroEngine | None = None
@@ -455,6 +457,8 @@ class ZeroStrategy(ParallelStrategy):
             self._tensor_parallel.install_hooks()
         if self._engine.stage_shards_params:
             self._rebuild_weight_averages()
+            if self.engine_collectives.world_size > 1:
+                self._unsync_generation = sync_generation(module)  # see [Note: generation at stage 3]
 
     def _localize_tensor_parallel(self, module: Module) -> None:
         """The DTensor parameters of a tensor-parallel plan become local parameters the engine
@@ -985,13 +989,24 @@ class ZeroStrategy(ParallelStrategy):
             checkpoint = dict(meta.lightning)
             if checkpoint.pop(AVERAGE_MARK, False):
                 # WeightAveraging's three keys, as its on_load_checkpoint expects them
-                checkpoint["state_dict"] = load_average(path, read_metadata(path), module, self._model_pieces(), None,
-                                                        self._mesh_placement())
+                average = load_average(path, read_metadata(path), module, self._model_pieces(), None,
+                                       self._mesh_placement())
                 checkpoint["current_model_state"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+                checkpoint["state_dict"] = average
+                if not fitting:
+                    # Outside fit Lightning loads "state_dict", the average, into the module (and a
+                    # callback still holding an average from fit puts "current_model_state" back).
+                    with torch.no_grad():
+                        module.load_state_dict(average, strict=False)
             swa_keys = checkpoint.pop(SWA_MARK, [])
             if swa_keys:
                 checkpoint["callbacks"] = callbacks = dict(checkpoint["callbacks"])
                 for index, key in enumerate(swa_keys):
+                    if not fitting:
+                        # StochasticWeightAveraging acts only while fitting; outside it its copy is
+                        # the whole module, taken before sharding: nothing to restore into it.
+                        callbacks.pop(key, None)
+                        continue
                     # StochasticWeightAveraging's state as its load_state_dict expects it
                     callbacks[key] = dict(callbacks[key])
                     callbacks[key]["average_model_state"] = load_average(
@@ -1015,7 +1030,7 @@ class ZeroStrategy(ParallelStrategy):
                     ]
             pieces = self._model_pieces()
             check_full_state_fits(path, checkpoint["state_dict"], module, strict=module.strict_loading, pieces=pieces)
-            checkpoint = self._state_in_pieces(checkpoint, pieces)
+            checkpoint = self._state_in_pieces(checkpoint, pieces, fitting)
             has_optimizer_state = "optimizer_states" in checkpoint
             if fitting and has_optimizer_state:
                 check_full_optimizer_states(path, checkpoint["optimizer_states"], self.zero_optimizers, pieces)
@@ -1025,26 +1040,27 @@ class ZeroStrategy(ParallelStrategy):
             self._start_training_state_afresh(checkpoint, path)
         return checkpoint
 
-    def _state_in_pieces(self, checkpoint: dict[str, Any], pieces: list[ParamPiece]) -> dict[str, Any]:
-        """The weight averages of a whole checkpoint in the form this rank's averaged copy holds
-        them: pieces at stage 3 (see [Note: weight averages in a whole checkpoint])."""
+    def _state_in_pieces(self, checkpoint: dict[str, Any], pieces: list[ParamPiece], fitting: bool) -> dict[str, Any]:
+        """The weight averages of a whole checkpoint in the form the averaged copies hold them:
+        this rank's pieces at stage 3 (see [Note: weight averages in a whole checkpoint])."""
         module = self.lightning_module
         if module is None or self.config.stage != 3:
             return checkpoint
         rank = self.collectives.rank
         checkpoint = dict(checkpoint)
         trainer = module._trainer
-        swaps = trainer is not None and any(isinstance(c, _SWAPPING_AVERAGES) for c in trainer.callbacks)
+        swaps = trainer is not None and any(isinstance(c, _SWAPPING_AVERAGES) and c._average_model is not None
+                                            for c in trainer.callbacks)
         if "current_model_state" in checkpoint and swaps:
-            # Lightning loads "state_dict" (the average) into the model; then a WeightAveraging callback
-            # loads it into its average and "current_model_state" into the module with a plain
-            # load_state_dict: both must be this rank's pieces. load_model_state_dict takes the
-            # whole trained weights instead. Without such a callback the average is the model, whole.
-            checkpoint[_WHOLE_MODEL_STATE] = checkpoint["current_model_state"]
+            # Lightning loads "state_dict" (the average) into the module; then the WeightAveraging
+            # callback loads it into its average, and "current_model_state" into the module with a
+            # plain load_state_dict: both must then be this rank's pieces, so load_model_state_dict
+            # takes the whole "state_dict" from beside them.
+            checkpoint[_WHOLE_MODEL_STATE] = checkpoint["state_dict"]
             for key in ("state_dict", "current_model_state"):
                 checkpoint[key] = state_in_pieces(checkpoint[key], module, pieces, rank)
         callbacks = checkpoint.get("callbacks")
-        if isinstance(callbacks, dict):
+        if fitting and isinstance(callbacks, dict):  # outside fit SWA's copy is the whole module
             checkpoint["callbacks"] = callbacks = dict(callbacks)
             for key, state in callbacks.items():
                 if _is_swa_state(state):
@@ -1131,6 +1147,8 @@ class ZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._restore_lr_scheduler_step()
         self._restore_optimizer_zero_grad()
+        self._unsync_generation()
+        self._unsync_generation = _do_nothing
         precision = self.precision_plugin
         restore_fp32 = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
         if self._interrupted() and not self._failed_on_every_rank:

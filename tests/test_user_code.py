@@ -173,6 +173,20 @@ def _average_resume(kind: str, state_dict_type: str, directory: str) -> dict[str
     return out
 
 
+def _validate_averaged(kind: str, strategy: Any, directory: str) -> float:
+    """Fits with SWA or EMA and a checkpoint, then validates from that checkpoint (with the callback
+    still holding its average, as after a fit)."""
+    pl.seed_everything(0)
+    module = TinyGPT()
+    with launched_environment():
+        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=2, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_train_batches=4,
+                             limit_val_batches=2, num_sanity_val_steps=0,
+                             callbacks=[_averaging(kind), ModelCheckpoint(dirpath=directory, save_last=True)])
+        trainer.fit(module, loader(), loader(samples=16))
+        return float(trainer.validate(module, loader(samples=16), ckpt_path="last", verbose=False)[0]["val_loss"])
+
+
 def _whole_file(path: str, state_dict_type: str) -> dict[str, Any]:
     """The model and the average of a whole checkpoint: the file itself, or a sharded one's export."""
     if state_dict_type == "sharded":
@@ -231,21 +245,28 @@ class TinyHFGPT2(pl.LightningModule):
 
 
 class Generates(Callback):
-    def __init__(self) -> None:
+    """Greedy generation at each epoch's end; with ``uneven``, from another prompt on each rank and
+    with rank 0's first new token as its EOS, so rank 0 stops after one token and rank 1 runs on."""
+
+    def __init__(self, uneven: bool = False) -> None:
         self.tokens: list[Tensor] = []
+        self.uneven = uneven
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        prompt = torch.tensor([[1, 2, 3, 4]])
-        out = pl_module.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
-                                       do_sample=False, pad_token_id=0)
-        self.tokens.append(out)
+        prompt = torch.tensor([[1, 2, 3, 4]]) + (trainer.global_rank if self.uneven else 0)
+        kwargs = dict(attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0)
+        eos = None
+        if self.uneven:
+            first = pl_module.model.generate(prompt, max_new_tokens=1, **kwargs)[0, -1]
+            eos = int(first) if trainer.global_rank == 0 else None
+        self.tokens.append(pl_module.model.generate(prompt, max_new_tokens=6, eos_token_id=eos, **kwargs))
 
 
-def _generate(strategy: Any) -> Tensor:
+def _generate(strategy: Any, uneven: bool = False) -> list[Tensor]:
     pl.seed_everything(0)
-    callback = Generates()
+    callback = Generates(uneven)
     _fit_epochs(TinyHFGPT2(), strategy, [callback], max_epochs=2, limit_train_batches=3)
-    return torch.cat(callback.tokens)
+    return callback.tokens
 
 
 # ---------------------------------------------------------------------------------------- ranks that disagree
@@ -436,6 +457,11 @@ def _all(directory: str) -> dict[str, Any]:
     return {
         "ema_resume": {name: _ema_resume(strategy, f"{directory}/{name}") for name, strategy in (
             ("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", zero3))},
+        "validate_averaged": {f"{kind}_{name}": _validate_averaged(kind, strategy(), f"{directory}/val_{kind}_{name}")
+                              for kind in ("swa", "ema") for name, strategy in (
+                                  ("ddp", lambda: "ddp"), ("zero3", zero3),
+                                  ("zero3_full", lambda: ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=UNIT),
+                                                                      state_dict_type="full")))},
         "average_resume": {f"{kind}_{kind_of_file}": _average_resume(kind, kind_of_file, f"{directory}/{kind}_{kind_of_file}")
                            for kind in ("swa", "ema") for kind_of_file in ("sharded", "full")},
         "reads_zero3": _reads(zero3()),
@@ -447,6 +473,8 @@ def _all(directory: str) -> dict[str, Any]:
         "forward": {"ddp": _forward_outside("ddp"), "zero3": _forward_outside(ZeroStrategy(stage=3))},
         "generate": {"ddp": _generate("ddp"), "zero3": _generate(ZeroStrategy(config=ZeroConfig(
             stage=3, unit_modules=("GPT2Block",))))},
+        "generate_uneven": {"ddp": _generate("ddp", uneven=True), "zero3": _generate(ZeroStrategy(config=ZeroConfig(
+            stage=3, unit_modules=("GPT2Block",))), uneven=True)},
         "disagree": _disagreeing_ranks(),
         "mixed_dtypes": _mixed_dtypes(),
     }
@@ -513,8 +541,17 @@ def test_forward_in_a_callback_and_generate_match_ddp() -> None:
         assert forward["zero3"].shape == forward["ddp"].shape == (2, 4, 8, VOCAB)
         assert (forward["zero3"] - forward["ddp"]).abs().max() <= 1e-5
         generated = per_rank["generate"]
-        assert generated["ddp"].shape == (2, 10)
-        assert torch.equal(generated["zero3"], generated["ddp"])
+        assert torch.cat(generated["ddp"]).shape == (2, 10)
+        assert torch.equal(torch.cat(generated["zero3"]), torch.cat(generated["ddp"]))
+
+
+def test_generate_that_stops_early_on_one_rank_matches_ddp_at_stage_3() -> None:
+    # Rank 0 hits its EOS after one token while rank 1 runs on: without synced_gpus the ranks ran
+    # different numbers of forwards, whose gathers hung.
+    for rank, per_rank in enumerate(outcome()):
+        generated = per_rank["generate_uneven"]
+        assert [tuple(t.shape) for t in generated["ddp"]] == [(1, 5) if rank == 0 else (1, 10)] * 2
+        assert all(torch.equal(a, b) for a, b in zip(generated["zero3"], generated["ddp"], strict=True))
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
@@ -615,6 +652,63 @@ def test_a_rank_that_skips_a_step_is_an_error_on_every_rank(stage: str, backward
         assert run["message"].startswith("RanksDisagreeError: The ranks are at different points of the run: rank 0 ")
         assert "rank 1 ended its training_step after 0 optimizer step(s)." in run["message"]
         assert run["seconds"] < 60
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+def test_validating_from_a_weight_averaged_checkpoint_matches_ddp_at_stage_3(kind: str) -> None:
+    # SWA's copy outside fit is the whole module, which its state in pieces did not fit (a crash).
+    for per_rank in outcome():
+        values = per_rank["validate_averaged"]
+        for name in ("zero3", "zero3_full"):
+            assert values[f"{kind}_{name}"] == pytest.approx(values[f"{kind}_ddp"], abs=1e-5), name
+
+
+def _fit_ema(world: int, epochs: int, callbacks: list[Callback], ckpt_path: str | None = None) -> None:
+    pl.seed_everything(0)
+    with launched_environment():
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=zero3(), max_epochs=epochs, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_train_batches=4,
+                             limit_val_batches=0, callbacks=callbacks)
+        trainer.fit(TinyGPT(), loader(), ckpt_path=ckpt_path)
+
+
+def _save_ema(directory: str, world: int) -> dict[str, Tensor]:
+    """Two epochs at stage 3 with EMA and a sharded checkpoint; this rank's pieces of the average."""
+    callback = _averaging("ema")
+    _fit_ema(world, 2, [callback, ModelCheckpoint(dirpath=directory, save_last=True)])
+    return _average_of(callback)
+
+
+class AverageAtStart(Callback):
+    def __init__(self, averaging: Callback) -> None:
+        self.averaging = averaging
+        self.average: dict[str, Tensor] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.average = _average_of(self.averaging)
+
+
+def _resumed_ema(directory: str, world: int) -> dict[str, Tensor]:
+    """This rank's pieces of the EMA average right after resuming from ``directory``'s checkpoint."""
+    callback = _averaging("ema")
+    probe = AverageAtStart(callback)
+    _fit_ema(world, 3, [callback, probe], ckpt_path=f"{directory}/last.ckpt")
+    return probe.average
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [(1, 2), (2, 1)])
+def test_an_ema_average_resumes_at_stage_3_on_another_number_of_ranks(saved_on: int, resumed_on: int) -> None:
+    # On one rank a stage-3 parameter shows its whole piece, 1-d: the average was saved in that
+    # shape and did not load elsewhere (nor a true-shaped one into it).
+    with tempfile.TemporaryDirectory() as directory:
+        saved = run_on_ranks(_save_ema, saved_on, directory, saved_on)
+        resumed = run_on_ranks(_resumed_ema, resumed_on, directory, resumed_on)
+    whole = {name: torch.cat([per_rank[name] for per_rank in saved]) for name in saved[0]}
+    for rank, per_rank in enumerate(resumed):
+        assert per_rank.keys() == whole.keys()
+        for name, value in per_rank.items():
+            share = -(-whole[name].numel() // resumed_on)
+            assert torch.equal(value, whole[name][rank * share : (rank + 1) * share]), name
 
 
 def test_a_rank_dependent_number_of_backward_calls_is_an_error_on_every_rank() -> None:

@@ -273,6 +273,8 @@ def average_entries(
                 entries[key] = _sharded(piece, value.detach().reshape(-1), _piece_rank(group, placement), group,
                                         placement)
         elif _saves_once(group, placement):
+            if isinstance(value, Tensor) and piece is not None and value.numel() == piece.numel:
+                value = value.reshape(piece.shape)  # stage 3 on one rank: the whole piece is 1-d
             entries[key] = value.detach() if isinstance(value, Tensor) else object_entry(value)
     return entries
 
@@ -305,7 +307,17 @@ def load_average(
     state = {namespace: targets}
     with torch.no_grad():
         load_sharded(path, metadata, state, group)
-    return {key: local[key] if key in local else from_object_entry(value) for key, value in state[namespace].items()}
+    loaded = {key: local[key] if key in local else from_object_entry(value) for key, value in state[namespace].items()}
+    return {key: _shaped_like(value, mine.get(key)) for key, value in loaded.items()}
+
+
+def _shaped_like(value: Any, current: Any) -> Any:
+    """``value`` in ``current``'s shape where only the shape differs: at stage 3 on one rank a
+    parameter shows its whole piece, 1-d."""
+    if isinstance(value, Tensor) and isinstance(current, Tensor) and value.shape != current.shape \
+            and value.numel() == current.numel():
+        return value.reshape(current.shape)
+    return value
 
 
 def swa_average_key(index: int) -> str:
@@ -366,7 +378,7 @@ def state_in_pieces(
         if (isinstance(value, Tensor) and piece is not None and isinstance(current, Tensor)
                 and current.numel() != value.numel() and value.numel() == piece.numel):
             value = piece.ranges[rank].slice(value.reshape(-1)).clone()
-        result[key] = value
+        result[key] = _shaped_like(value, current)
     return result
 
 
