@@ -29,6 +29,7 @@ and the loop settings DeepSpeed keeps in the same file, without making them rewr
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -228,6 +229,14 @@ def read_deepspeed_config(source: DeepSpeedSource) -> DeepSpeedSettings:
     reader = _Reader(where)
     precision, loss_scale = reader.precision(values)
     itemsize = 2 if precision is not None else 4
+    if "zero_optimization" not in values:
+        near = difflib.get_close_matches("zero_optimization", [str(key) for key in values], n=1, cutoff=0.6)
+        typo = f" It has {near[0]!r}: a typo of 'zero_optimization'?" if near else ""
+        raise ValueError(
+            f"The DeepSpeed config {where} has no zero_optimization section, so DeepSpeed would run ZeRO stage 0 (plain"
+            f" data parallelism).{typo} Add \"zero_optimization\": {{\"stage\": 1, 2 or 3}}, or use"
+            " Trainer(strategy='ddp')."
+        )
     zero_values = reader.section(values, "zero_optimization")
     reduce_dtype = reader.reduce_dtype(values.get("communication_data_type"))
     kwargs = reader.zero(zero_values, itemsize)
@@ -366,7 +375,14 @@ class _Reader:
 
     def zero(self, values: Mapping[str, Any], itemsize: int) -> dict[str, Any]:
         """ZeroConfig's keyword arguments for a ``zero_optimization`` section."""
-        stage = values.get("stage", 0)
+        if "stage" not in values:
+            near = difflib.get_close_matches("stage", [str(key) for key in values], n=1, cutoff=0.6)
+            typo = f" It has {near[0]!r}: a typo of 'stage'?" if near else ""
+            raise ValueError(
+                f"The DeepSpeed config {self.where} sets no zero_optimization.stage, which DeepSpeed takes as 0 (plain"
+                f" data parallelism).{typo} Set zero_optimization.stage to 1, 2 or 3, or use Trainer(strategy='ddp')."
+            )
+        stage = values["stage"]
         if stage == 0:
             raise self.error(
                 "zero_optimization.stage", stage,

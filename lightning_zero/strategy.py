@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -1130,7 +1131,12 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self) -> ModelStateBytes:
         """This rank's bytes of parameters, gradients and optimizer state."""
-        assert self.lightning_module is not None
+        if self.lightning_module is None:
+            raise RuntimeError(
+                "ZeroStrategy.model_state_bytes() counts the module the Trainer set up, and there is none yet: call it"
+                " from a hook once fit/validate/test/predict has started (e.g. on_train_start or a *_step), or use"
+                " lightning_zero.estimate_memory for a model not yet set up."
+            )
         return model_state_bytes(self.lightning_module, self.optimizers)
 
     def all_ranks_model_state_bytes(self) -> list[ModelStateBytes]:
@@ -1248,17 +1254,30 @@ def _read_deepspeed(source: DeepSpeedSource, stage: int | None, config: object, 
 
 
 def _resolve_config(stage: int | None, config: ZeroConfig | Mapping[str, Any] | None) -> ZeroConfig:
+    """The ZeroConfig of ``ZeroStrategy(stage=..., config=...)``. ``stage`` fills in a config that
+    leaves the stage at its default (a dict without "stage", or ZeroConfig's default 2: a YAML
+    that sets other fields, an autotuner's file passed after the demo's); two different stages,
+    both set, are an error."""
     if isinstance(config, Mapping):
-        config = ZeroConfig.from_dict(dict(config))
+        values = dict(config)
+        if stage is not None and "stage" not in values:
+            values["stage"] = stage
+        config = ZeroConfig.from_dict(values)
     if config is not None and not isinstance(config, ZeroConfig):
         raise ValueError(f"ZeroStrategy(config={config!r}) must be a ZeroConfig or a dict of its fields.")
     if config is None:
         return ZeroConfig() if stage is None else ZeroConfig(stage=stage)
     if stage is not None and stage != config.stage:
-        raise ValueError(
-            f"ZeroStrategy(stage={stage!r}) disagrees with config.stage={config.stage!r}; give the stage once."
-        )
+        if config.stage != _DEFAULT_STAGE:
+            raise ValueError(
+                f"ZeroStrategy(stage={stage!r}) disagrees with config.stage={config.stage!r}; give the stage once"
+                " (either one)."
+            )
+        config = replace(config, stage=stage)
     return config
+
+
+_DEFAULT_STAGE = ZeroConfig.__dataclass_fields__["stage"].default
 
 
 def _is_swa_state(state: Any) -> bool:

@@ -185,13 +185,15 @@ def test_the_yaml_keeps_the_run_and_drops_the_tuner() -> None:
             "data": {"class_path": "my.Data", "init_args": {"batch_size": 2, "root": "x"}}, "model": {"n_layer": 4}}
     tuned = tuned_yaml(result, config, "data", "batch_size", base)
     strategy = tuned["trainer"]["strategy"]["init_args"]
-    assert strategy["state_dict_type"] == "full" and "stage" not in strategy and "collectives" not in strategy
+    # stage null: the config's stage wins over a stage an earlier --config file gives
+    assert strategy["state_dict_type"] == "full" and strategy["stage"] is None and "collectives" not in strategy
     assert strategy["config"]["stage"] == result.best.candidate.stage
     assert tuned["trainer"]["callbacks"] == [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}]
     assert tuned["data"]["init_args"] == {"batch_size": result.best.candidate.micro_batch_size, "root": "x"}
     assert tuned["model"] == {"n_layer": 4} and base["data"]["init_args"]["batch_size"] == 2  # base untouched
     fragment = tuned_yaml(result, config, "model", "batch_size", None)
     assert fragment["model"] == {"batch_size": result.best.candidate.micro_batch_size}
+    assert fragment["trainer"]["strategy"]["init_args"]["stage"] is None
     assert tuned_yaml(result, config, "data", "batch_size", {"trainer": {"strategy": "zero3_spawn"}})[
         "trainer"]["strategy"]["init_args"]["start_method"] == "spawn"
     table = results_table(result)

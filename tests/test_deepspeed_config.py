@@ -131,7 +131,12 @@ def test_keys_not_used_and_unknown_keys_are_reported() -> None:
 @pytest.mark.parametrize(("values", "match"), [
     ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage=0: stage 0 is plain data parallelism.*'ddp'"),
     ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage=4: use 1, 2 or 3"),
-    ({}, r"zero_optimization.stage=0"),
+    ({}, r"has no zero_optimization section, so DeepSpeed would run ZeRO stage 0"),
+    ({"zero_optimisation": {"stage": 2}}, r"no zero_optimization section.*It has 'zero_optimisation': a typo of"
+                                          r" 'zero_optimization'\?"),
+    ({"zero_optimization": {"stag": 2}}, r"sets no zero_optimization.stage.*It has 'stag': a typo of 'stage'\?"),
+    ({"zero_optimization": {"reduce_bucket_size": 10**6}}, r"sets no zero_optimization.stage, which DeepSpeed takes"
+                                                          r" as 0 \(plain data parallelism\)\. Set"),
     (_config(offload_optimizer={"device": "nvme", "nvme_path": "/local_nvme"}),
      r"offload_optimizer.device='nvme': NVMe offload is not supported.*\"cpu\""),
     (_config(offload_param={"device": "cpu"}), r"offload_param.device='cpu': parameter offload needs stage 3"),

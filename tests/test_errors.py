@@ -63,10 +63,20 @@ def test_unknown_config_field_is_named() -> None:
 
 
 def test_stage_given_twice_must_agree() -> None:
-    with pytest.raises(ValueError, match=r"stage=1.*config.stage=2"):
-        ZeroStrategy(stage=1, config=ZeroConfig(stage=2))
+    with pytest.raises(ValueError, match=r"stage=1.*config.stage=3; give the stage once"):
+        ZeroStrategy(stage=1, config=ZeroConfig(stage=3))
     assert ZeroStrategy(stage=1).config.stage == 1
     assert ZeroStrategy(config={"stage": 1, "reduce_bucket_size": 10}).config.reduce_bucket_size == 10
+
+
+def test_stage_fills_in_a_config_that_leaves_it_at_the_default() -> None:
+    # A YAML's `stage: 1` with `config: {reduce_bucket_size: ...}`, or a config that LightningCLI
+    # completed with ZeroConfig's defaults (stage 2): the user gave the stage once.
+    dict_config = ZeroStrategy(stage=1, config={"reduce_bucket_size": 10}).config
+    assert (dict_config.stage, dict_config.reduce_bucket_size) == (1, 10)
+    assert ZeroStrategy(stage=3, config=ZeroConfig(reduce_bucket_size=10)).config == ZeroConfig(
+        stage=3, reduce_bucket_size=10)
+    assert ZeroStrategy(stage=1, config={"stage": 2, "reduce_bucket_size": 10}).config.stage == 1
 
 
 def test_optimizer_that_cannot_be_sharded() -> None:
@@ -157,3 +167,8 @@ def test_bucket_size_is_sized_from_the_model_unless_given() -> None:
     assert ZeroConfig(reduce_bucket_size=1234).bucket_size_for(3_200_000, "gloo") == 1234
     with pytest.raises(ValueError, match=r"reduce_bucket_size=0 .*or None to size buckets from the model"):
         ZeroConfig(reduce_bucket_size=0)
+
+
+def test_model_state_bytes_before_setup_says_when_to_call_it() -> None:
+    with pytest.raises(RuntimeError, match=r"there is none yet: call it from a hook.*estimate_memory"):
+        ZeroStrategy(stage=2).all_ranks_model_state_bytes()

@@ -98,6 +98,8 @@ def _strategy_entry(previous: Any, config: ZeroConfig) -> dict[str, Any]:
                      if k not in ("stage", "config") and v is not None}
     elif isinstance(previous, str) and previous.endswith("_spawn"):
         init_args["start_method"] = "spawn"
+    # The stage is the config's: null clears a stage an earlier --config file gives the strategy.
+    init_args["stage"] = None
     init_args["config"] = zero_config_fields(config)
     return {"class_path": STRATEGY_CLASS, "init_args": init_args}
 
