@@ -284,7 +284,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                 " optimizer's fp32 master weights would come from rounded values. Set up every optimizer before"
                 " the first forward, best together with the model: `model, optimizer = fabric.setup(model, optimizer)`."
             )
-        _check_params_in_one_optimizer([*(o.optimizer for o in self._optimizers), optimizer])
+        _check_params_in_one_optimizer([*(o.optimizer for o in self._optimizers), optimizer], self._module)
         zero_optimizer = engine.wrap_optimizer(optimizer, precision.loss_scaler)
         self._optimizers.append(zero_optimizer)
         self._cast_module()

@@ -586,7 +586,7 @@ class ZeroStrategy(ParallelStrategy):
             _raise_together(failure, "configure_optimizers")
         elif failure is not None:
             raise failure
-        _check_params_in_one_optimizer(self.optimizers)
+        _check_params_in_one_optimizer(self.optimizers, self.lightning_module)
         precision = self.precision_plugin
         assert isinstance(precision, ZeroPrecision)
         self.optimizers = [engine.wrap_optimizer(optimizer, precision.loss_scaler) for optimizer in self.optimizers]
@@ -1324,14 +1324,16 @@ def _raise_together(failure: Exception | None, what: str) -> None:
             )
 
 
-def _check_params_in_one_optimizer(optimizers: list[Optimizer]) -> None:
+def _check_params_in_one_optimizer(optimizers: list[Optimizer], module: Module | None) -> None:
     owner: dict[int, int] = {}
+    names = {id(param): name for name, param in module.named_parameters()} if module is not None else {}
     for index, optimizer in enumerate(optimizers):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if owner.setdefault(id(param), index) != index:
+                    name = f"'{names[id(param)]}' " if id(param) in names else ""
                     raise ValueError(
-                        f"A parameter of shape {tuple(param.shape)} is in optimizer {owner[id(param)]} and in"
+                        f"The parameter {name}of shape {tuple(param.shape)} is in optimizer {owner[id(param)]} and in"
                         f" optimizer {index}. ZeRO shards each parameter under one optimizer; give every"
                         " optimizer a disjoint set of parameters."
                     )

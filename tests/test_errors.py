@@ -172,3 +172,18 @@ def test_bucket_size_is_sized_from_the_model_unless_given() -> None:
 def test_model_state_bytes_before_setup_says_when_to_call_it() -> None:
     with pytest.raises(RuntimeError, match=r"there is none yet: call it from a hook.*estimate_memory"):
         ZeroStrategy(stage=2).all_ranks_model_state_bytes()
+
+
+def test_a_parameter_in_two_optimizers_is_named() -> None:
+    from lightning_zero.strategy import _check_params_in_one_optimizer
+
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    optimizers = [torch.optim.SGD(module.parameters(), lr=0.1), torch.optim.SGD(module[1].parameters(), lr=0.1)]
+    with pytest.raises(ValueError, match=r"The parameter '1.weight' of shape \(1, 2\) is in optimizer 0 and in optimizer 1"):
+        _check_params_in_one_optimizer(optimizers, module)
+
+
+def test_sizes_below_a_tenth_of_a_mib_are_not_shown_as_zero() -> None:
+    from lightning_zero.autotuning.space import size_label
+
+    assert (size_label(1024), size_label(3 * 2**20), size_label(2**31)) == ("1.0 KiB", "3.0 MiB", "2.00 GiB")

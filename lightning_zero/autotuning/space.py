@@ -118,8 +118,12 @@ def count_label(value: int) -> str:
 
 
 def size_label(value: int) -> str:
-    """Bytes as MiB, or GiB from one GiB up."""
-    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+    """Bytes as MiB, GiB from one GiB up, KiB below a tenth of a MiB (where MiB would round to 0.0)."""
+    if value >= 2**30:
+        return f"{value / 2**30:.2f} GiB"
+    if value >= 2**20 // 10:
+        return f"{value / 2**20:.1f} MiB"
+    return f"{value / 2**10:.1f} KiB"
 
 
 def _derived(base: int, numel: int, fractions: tuple[int, ...]) -> tuple[int, ...]:

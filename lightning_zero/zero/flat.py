@@ -339,8 +339,8 @@ class FlatLayout:
             for param in group["params"]:
                 if param in seen:
                     raise ValueError(
-                        f"A parameter of shape {tuple(param.shape)} appears twice in the param groups of"
-                        f" {type(optimizer).__name__}; list each parameter once."
+                        f"The parameter {names.get(param, '')!r} of shape {tuple(param.shape)} appears twice in the"
+                        f" param groups of {type(optimizer).__name__}; list each parameter once."
                     )
                 seen.add(param)
                 if param not in names:
