@@ -63,6 +63,7 @@ from lightning_zero.strategy import (
     _materialize_meta_buffers,
     _read_deepspeed,
     _reset_parameters,
+    _do_nothing,
     _resolve_config,
 )
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
@@ -171,7 +172,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._in_no_sync = False
         self._cast_pending = False
         self._forward_handle: Any = None
-        self._unsync_generation: Callable[[], None] = lambda: None
+        self._unsync_generation: Callable[[], None] = _do_nothing  # not a lambda: spawn pickles the strategy
 
     # ------------------------------------------------------------------ precision
     @property
@@ -482,7 +483,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     @override
     def teardown(self) -> None:
         self._unsync_generation()
-        self._unsync_generation = lambda: None
+        self._unsync_generation = _do_nothing
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None

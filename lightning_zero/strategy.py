@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -59,15 +59,12 @@ from lightning_zero.checkpoint.state import (
     AVERAGE_KEY,
     AVERAGE_MARK,
     SWA_MARK,
+    MeshPlacement,
     average_entries,
-    state_in_pieces,
-    load_average,
-    swa_average_key,
-    whole_average,
     check_full_optimizer_states,
     check_full_state_fits,
+    load_average,
     load_into,
-    MeshPlacement,
     model_entries,
     model_pieces,
     model_view,
@@ -75,6 +72,9 @@ from lightning_zero.checkpoint.state import (
     param_names,
     publish_masters,
     sharded_state,
+    state_in_pieces,
+    swa_average_key,
+    whole_average,
 )
 from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import (
@@ -99,9 +99,9 @@ from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import agree_after_batch, agree_before_step, agree_on_batches, check_same_model
 from lightning_zero.zero.engine import ZeroEngine, make_engine
-from lightning_zero.zero.stage3.generation import sync_generation
 from lightning_zero.zero.layout import ParamPiece
 from lightning_zero.zero.optimizer import ShardedOptimizer
+from lightning_zero.zero.stage3.generation import sync_generation
 
 log = logging.getLogger(__name__)
 
@@ -957,12 +957,12 @@ class ZeroStrategy(ParallelStrategy):
             return checkpoint  # stages 1/2: the averages are whole already
         checkpoint = dict(checkpoint)
         keep = self.global_rank == 0
+        pieces, collectives, device = self._model_pieces(), self.engine_collectives, self.root_device
         if "current_model_state" in checkpoint:
-            checkpoint["state_dict"] = whole_average(checkpoint["state_dict"], module, self._model_pieces(),
-                                                     self.collectives, keep)
+            checkpoint["state_dict"] = whole_average(checkpoint["state_dict"], module, pieces, collectives, keep, device)
         swa = _take_swa_averages(checkpoint)
         for key, average in swa.items():
-            whole = whole_average(average, module, self._model_pieces(), self.collectives, keep)
+            whole = whole_average(average, module, pieces, collectives, keep, device)
             checkpoint["callbacks"][key]["average_model_state"] = whole
         return checkpoint
 
@@ -988,30 +988,30 @@ class ZeroStrategy(ParallelStrategy):
             publish_masters(self._engine, self.zero_optimizers)
             self._checkpoint_applied = True
             checkpoint = dict(meta.lightning)
+            metadata = read_metadata(path)
             if checkpoint.pop(AVERAGE_MARK, False):
                 # WeightAveraging's three keys, as its on_load_checkpoint expects them
-                average = load_average(path, read_metadata(path), module, self._model_pieces(), None,
-                                       self._mesh_placement())
+                average = load_average(path, metadata, module, self._model_pieces(), None, self._mesh_placement())
                 checkpoint["current_model_state"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
                 checkpoint["state_dict"] = average
-                if not fitting:
-                    # Outside fit Lightning loads "state_dict", the average, into the module (and a
-                    # callback still holding an average from fit puts "current_model_state" back).
+                if not fitting and not self._an_average_swaps_back():
+                    # Outside fit Lightning loads "state_dict", the average, into the module (a
+                    # callback still holding an average from fit would put "current_model_state" back).
                     with torch.no_grad():
                         module.load_state_dict(average, strict=False)
             swa_keys = checkpoint.pop(SWA_MARK, [])
             if swa_keys:
                 checkpoint["callbacks"] = callbacks = dict(checkpoint["callbacks"])
                 for index, key in enumerate(swa_keys):
-                    if not fitting:
+                    if not fitting and self.config.stage == 3:
                         # StochasticWeightAveraging acts only while fitting; outside it its copy is
-                        # the whole module, taken before sharding: nothing to restore into it.
+                        # the whole module, taken before sharding, which the pieces do not fit.
                         callbacks.pop(key, None)
                         continue
                     # StochasticWeightAveraging's state as its load_state_dict expects it
                     callbacks[key] = dict(callbacks[key])
                     callbacks[key]["average_model_state"] = load_average(
-                        path, read_metadata(path), module, self._model_pieces(), None, self._mesh_placement(),
+                        path, metadata, module, self._model_pieces(), None, self._mesh_placement(),
                         namespace=swa_average_key(index))
             has_optimizer_state = bool(meta.optimizers)
             if has_optimizer_state:
@@ -1037,6 +1037,8 @@ class ZeroStrategy(ParallelStrategy):
                 check_full_optimizer_states(path, checkpoint["optimizer_states"], self.zero_optimizers, pieces)
             self._checkpoint_applied = False
         checkpoint.setdefault("pytorch-lightning_version", pl.__version__)
+        if fitting:
+            self._leave_lr_schedulers_to_swa(checkpoint)
         if fitting and not has_optimizer_state:
             self._start_training_state_afresh(checkpoint, path)
         return checkpoint
@@ -1047,17 +1049,16 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is None or self.config.stage != 3:
             return checkpoint
-        rank = self.collectives.rank
+        rank = self.engine_collectives.rank
         checkpoint = dict(checkpoint)
-        trainer = module._trainer
-        swaps = trainer is not None and any(isinstance(c, _SWAPPING_AVERAGES) and c._average_model is not None
-                                            for c in trainer.callbacks)
-        if "current_model_state" in checkpoint and swaps:
+        if "current_model_state" in checkpoint and self._an_average_swaps_back():
             # Lightning loads "state_dict" (the average) into the module; then the WeightAveraging
             # callback loads it into its average, and "current_model_state" into the module with a
-            # plain load_state_dict: both must then be this rank's pieces, so load_model_state_dict
-            # takes the whole "state_dict" from beside them.
-            checkpoint[_WHOLE_MODEL_STATE] = checkpoint["state_dict"]
+            # plain load_state_dict: both must then be this rank's pieces. load_model_state_dict
+            # takes the whole "current_model_state" from beside them, so the masters hold the trained
+            # weights at full precision and the callback's write of their rounded pieces changes
+            # nothing (take_written).
+            checkpoint[_WHOLE_MODEL_STATE] = checkpoint["current_model_state"]
             for key in ("state_dict", "current_model_state"):
                 checkpoint[key] = state_in_pieces(checkpoint[key], module, pieces, rank)
         callbacks = checkpoint.get("callbacks")
@@ -1068,6 +1069,33 @@ class ZeroStrategy(ParallelStrategy):
                     callbacks[key] = {**state, "average_model_state": state_in_pieces(
                         state["average_model_state"], module, pieces, rank)}
         return checkpoint
+
+    def _an_average_swaps_back(self) -> bool:
+        """Whether a WeightAveraging callback holds an average (from a fit): on load it takes the
+        checkpoint's "state_dict" as its average and puts "current_model_state" into the module."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return trainer is not None and any(
+            isinstance(c, _SWAPPING_AVERAGES) and getattr(c, "_average_model", None) is not None
+            for c in trainer.callbacks)
+
+    def _leave_lr_schedulers_to_swa(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint taken while StochasticWeightAveraging ran its SWALR: under DDP the callback's
+        on_fit_start, after the restore, drops the trainer's LR scheduler so that the SWALR state is
+        not loaded into the user's (a KeyError for LambdaLR); here checkpoints are restored after
+        setup, past that hook, so the scheduler is dropped here, as it would do."""
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        callbacks = checkpoint.get("callbacks")
+        if trainer is None or not isinstance(callbacks, dict):
+            return
+        for callback in trainer.callbacks:
+            state = callbacks.get(callback.state_key) if isinstance(callback, StochasticWeightAveraging) else None
+            if isinstance(state, Mapping) and state.get("scheduler_state") is not None:
+                StochasticWeightAveraging._clear_schedulers(trainer)
+                return
 
     def _this_stage_of_full_checkpoint(self, path: Path, checkpoint: dict[str, Any], fitting: bool) -> dict[str, Any]:
         """A whole-model checkpoint (DDP's, an export) under a pipeline: the keys of every stage are
@@ -1253,6 +1281,9 @@ def _read_deepspeed(source: DeepSpeedSource, stage: int | None, config: object, 
     return settings
 
 
+_DEFAULT_STAGE = next(field.default for field in fields(ZeroConfig) if field.name == "stage")
+
+
 def _resolve_config(stage: int | None, config: ZeroConfig | Mapping[str, Any] | None) -> ZeroConfig:
     """The ZeroConfig of ``ZeroStrategy(stage=..., config=...)``. ``stage`` fills in a config that
     leaves the stage at its default (a dict without "stage", or ZeroConfig's default 2: a YAML
@@ -1277,7 +1308,6 @@ def _resolve_config(stage: int | None, config: ZeroConfig | Mapping[str, Any] | 
     return config
 
 
-_DEFAULT_STAGE = ZeroConfig.__dataclass_fields__["stage"].default
 
 
 def _is_swa_state(state: Any) -> bool:

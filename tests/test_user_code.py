@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from harness import launched_environment, run_on_ranks
-from lightning_zero import ZeroConfig, ZeroStrategy, consolidate
+from lightning_zero import ParallelConfig, ZeroConfig, ZeroStrategy, consolidate
 from lightning_zero.offload import CPUOffloadPolicy
 from models import VOCAB, TiedGPT, TinyGPT, fit, loader, max_abs_diff, params_of, token_data
 
@@ -146,14 +146,25 @@ def _average_of(callback: Callback) -> dict[str, Tensor]:
     return {name: p.detach().reshape(-1).clone() for name, p in modules.named_parameters()}
 
 
+class LambdaScheduledGPT(TinyGPT):
+    """TinyGPT with a per-step LambdaLR, whose state SWA's SWALR state does not fit."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 def _average_resume(kind: str, state_dict_type: str, directory: str) -> dict[str, Any]:
-    """ZeRO-3 with SWA or EMA, checkpoints of ``state_dict_type``: 3 epochs straight, and 2 then a
-    resume; the trained weights and the average at the end of each."""
+    """ZeRO-3 with SWA (and a LambdaLR, which SWA replaces by its SWALR) or EMA, checkpoints of
+    ``state_dict_type``: 3 epochs straight, and 2 then a resume; the trained weights and the
+    average at the end of each."""
     kwargs = dict(limit_train_batches=4, limit_val_batches=2, num_sanity_val_steps=0)
+    model = LambdaScheduledGPT if kind == "swa" else TinyGPT
     out = {}
     for name in ("straight", "resumed"):
         pl.seed_everything(0)
-        module, callback = TinyGPT(), _averaging(kind)
+        module, callback = model(), _averaging(kind)
         with launched_environment():
             if name == "resumed":
                 strategy = ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=UNIT), state_dict_type=state_dict_type)
@@ -163,13 +174,23 @@ def _average_resume(kind: str, state_dict_type: str, directory: str) -> dict[str
                 first.fit(module, loader(), loader(samples=16))
                 out["file"] = _whole_file(f"{directory}/last.ckpt", state_dict_type) if first.global_rank == 0 else {}
                 pl.seed_everything(0)
-                module, callback = TinyGPT(), _averaging(kind)
+                module, callback = model(), _averaging(kind)
             trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=zero3(), max_epochs=3, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                  callbacks=[callback], **kwargs)
             trainer.fit(module, loader(), loader(samples=16),
                         ckpt_path=f"{directory}/last.ckpt" if name == "resumed" else None)
         out[name] = {"params": params_of(module), "average": _average_of(callback)}
+    if state_dict_type == "sharded":  # the export (written by rank 0 above) resumes under DDP
+        torch.distributed.barrier()
+        pl.seed_everything(0)
+        module, callback = model(), _averaging(kind)
+        with launched_environment():
+            trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_epochs=3, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 callbacks=[callback], **kwargs)
+            trainer.fit(module, loader(), loader(samples=16), ckpt_path=f"{directory}/last.ckpt.pt")
+        out["ddp"] = {"params": params_of(module), "average": _average_of(callback)}
     return out
 
 
@@ -625,10 +646,15 @@ def test_an_ema_run_resumes_from_its_sharded_checkpoint_exactly() -> None:
 def test_a_weight_average_resumes_exactly_at_stage_3(kind: str, state_dict_type: str) -> None:
     # Each rank's average holds its own pieces: a checkpoint that kept rank 0's (Lightning saves a
     # callback's state once) gave rank 1 rank 0's values back, silently.
-    for per_rank in outcome():
+    for rank, per_rank in enumerate(outcome()):
         runs = per_rank["average_resume"][f"{kind}_{state_dict_type}"]
         assert max_abs_diff(runs["resumed"]["average"], runs["straight"]["average"]) == 0.0
         assert max_abs_diff(runs["resumed"]["params"], runs["straight"]["params"]) == 0.0
+        if state_dict_type == "sharded":  # its export resumes under DDP to the same average
+            for name, value in runs["resumed"]["average"].items():
+                whole = runs["ddp"]["average"][name]
+                share = -(-whole.numel() // WORLD)
+                assert (value - whole[rank * share : (rank + 1) * share]).abs().max() <= 1e-5, name
     # The whole file (a "full" save, or the export of a sharded one) holds the average whole, as DDP
     # would write it: the same values both ways, the parameters' true shapes.
     rank0 = outcome()[0]["average_resume"]
@@ -694,6 +720,41 @@ def _resumed_ema(directory: str, world: int) -> dict[str, Tensor]:
     probe = AverageAtStart(callback)
     _fit_ema(world, 3, [callback, probe], ckpt_path=f"{directory}/last.ckpt")
     return probe.average
+
+
+def _hybrid_ema_full(directory: str) -> dict[str, Any]:
+    """Hybrid sharding (2 replicas of 2 shards): EMA with whole checkpoints, saved then resumed."""
+    def strategy() -> ZeroStrategy:
+        return ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=UNIT, parallel=ParallelConfig(shard_size=2)),
+                            state_dict_type="full")
+
+    callback = _averaging("ema")
+    pl.seed_everything(0)
+    with launched_environment():
+        trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy(), max_epochs=1, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_train_batches=3,
+                             limit_val_batches=0, callbacks=[callback, ModelCheckpoint(dirpath=directory, save_last=True)])
+        trainer.fit(TinyGPT(), loader())
+    saved = _average_of(callback)
+    callback = _averaging("ema")
+    probe = AverageAtStart(callback)
+    with launched_environment():
+        trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy(), max_epochs=2, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_train_batches=1,
+                             limit_val_batches=0, callbacks=[callback, probe])
+        trainer.fit(TinyGPT(), loader(), ckpt_path=f"{directory}/last.ckpt")
+    return {"saved": saved, "resumed": probe.average}
+
+
+def test_an_ema_average_in_a_whole_checkpoint_round_trips_under_hybrid_sharding() -> None:
+    # The average's pieces span the shard group only (2 of the 4 ranks): gathered over the world,
+    # the save failed, and ranks 2 and 3 had no range of their own to cut on load.
+    with tempfile.TemporaryDirectory() as directory:
+        per_rank = run_on_ranks(_hybrid_ema_full, 4, directory)
+    for rank in per_rank:
+        assert max_abs_diff(rank["resumed"], rank["saved"]) == 0.0
+    assert all(torch.equal(per_rank[r]["saved"][name], per_rank[r + 2]["saved"][name])  # replicas hold the same
+               for r in (0, 1) for name in per_rank[0]["saved"])
 
 
 @pytest.mark.parametrize(("saved_on", "resumed_on"), [(1, 2), (2, 1)])

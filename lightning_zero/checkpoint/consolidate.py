@@ -80,6 +80,11 @@ def consolidate(
     the weights, and unless ``weights_only`` the optimizer states in torch's format, LR
     schedulers, loops and callbacks. ``dtype`` casts the floating-point weights of up to 32 bits
     (float64 ones, and the optimizer state, stay as saved). Returns the output path.
+
+    A run with a weight-averaging callback exports its average where Lightning puts it under any
+    other strategy: EMAWeightAveraging's as ``state_dict`` (the trained weights as
+    ``current_model_state``), StochasticWeightAveraging's in its callback state. A ``.safetensors``
+    or ``weights_only`` export holds the trained weights (the module's state), never an average.
     """
     if dtype not in DTYPES:
         raise ValueError(f"consolidate(dtype={dtype!r}) is not one of {', '.join(map(repr, DTYPES))}.")

@@ -34,6 +34,7 @@ from lightning_zero.checkpoint.sharded import (
     save_sharded,
     saved_state_keys,
 )
+from lightning_zero.zero.consistency import AnyCollectives
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.layout import ParamPiece, Range
 from lightning_zero.zero.optimizer import ShardedOptimizer, _check_full_optimizer_state
@@ -335,11 +336,14 @@ def swa_average_key(index: int) -> str:
 # hold, so every rank joins the same collectives: a parameter kept whole on every rank (a
 # persistent unit) is gathered too, from each rank's range of it.
 def whole_average(
-    average: Mapping[str, Any], module: nn.Module, pieces: Sequence[ParamPiece], collectives: Any, keep: bool
+    average: Mapping[str, Any], module: nn.Module, pieces: Sequence[ParamPiece], collectives: AnyCollectives,
+    keep: bool, device: torch.device,
 ) -> dict[str, Any]:
     """``average`` (a weight average's state dict keyed like ``module``'s; at stage 3 pieces) with
-    whole tensors of the parameters' true shapes, on the rank with ``keep`` ({} elsewhere). A
-    collective over the ranks the pieces are split over (``collectives``: the ZeRO ones)."""
+    whole tensors of the parameters' true shapes, on the CPU of the rank with ``keep`` ({}
+    elsewhere). A collective over the ranks the pieces are split over (``collectives``: the ZeRO
+    ones, the shard group's on a mesh), through ``device`` (the collectives' device: an average
+    kept on the CPU, as SWA's is, still gathers over NCCL)."""
     by_key = _pieces_by_key(module, pieces)
     rank = collectives.rank
     whole: dict[str, Any] = {}
@@ -350,11 +354,12 @@ def whole_average(
             if mine.numel() == piece.numel:  # shown whole here: this rank offers its range
                 mine = piece.ranges[rank].slice(mine)
             share = max(r.size for r in piece.ranges)
-            padded = torch.zeros(share, dtype=mine.dtype, device=mine.device)
+            padded = torch.zeros(share, dtype=mine.dtype, device=device)
             padded[: mine.numel()] = mine
-            every = torch.empty(share * len(piece.ranges), dtype=mine.dtype, device=mine.device)
+            every = torch.empty(share * len(piece.ranges), dtype=mine.dtype, device=device)
             collectives.all_gather(every, padded).wait()
             if keep:
+                every = every.cpu()
                 flat = torch.empty(piece.numel, dtype=mine.dtype)
                 for r, part in enumerate(piece.ranges):
                     part.slice(flat).copy_(every[r * share : r * share + part.size])
