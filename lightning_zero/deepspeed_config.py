@@ -230,11 +230,9 @@ def read_deepspeed_config(source: DeepSpeedSource) -> DeepSpeedSettings:
     precision, loss_scale = reader.precision(values)
     itemsize = 2 if precision is not None else 4
     if "zero_optimization" not in values:
-        near = difflib.get_close_matches("zero_optimization", [str(key) for key in values], n=1, cutoff=0.6)
-        typo = f" It has {near[0]!r}: a typo of 'zero_optimization'?" if near else ""
         raise ValueError(
             f"The DeepSpeed config {where} has no zero_optimization section, so DeepSpeed would run ZeRO stage 0 (plain"
-            f" data parallelism).{typo} Add \"zero_optimization\": {{\"stage\": 1, 2 or 3}}, or use"
+            f" data parallelism).{_typo_of('zero_optimization', values)} Add \"zero_optimization\": {{\"stage\": 1, 2 or 3}}, or use"
             " Trainer(strategy='ddp')."
         )
     zero_values = reader.section(values, "zero_optimization")
@@ -267,6 +265,12 @@ def read_deepspeed_config(source: DeepSpeedSource) -> DeepSpeedSettings:
         train_batch_size=reader.count("train_batch_size", values.get("train_batch_size")),
         unused=dict(reader.unused), unknown=tuple(reader.unknown),
     )
+
+
+def _typo_of(wanted: str, values: Mapping[str, Any]) -> str:
+    """A sentence naming the key of ``values`` closest to the missing ``wanted`` (a likely typo), or ""."""
+    near = difflib.get_close_matches(wanted, [str(key) for key in values], n=1, cutoff=0.6)
+    return f" It has {near[0]!r}: a typo of {wanted!r}?" if near else ""
 
 
 def _load(source: DeepSpeedSource) -> tuple[dict[str, Any], str]:
@@ -376,11 +380,9 @@ class _Reader:
     def zero(self, values: Mapping[str, Any], itemsize: int) -> dict[str, Any]:
         """ZeroConfig's keyword arguments for a ``zero_optimization`` section."""
         if "stage" not in values:
-            near = difflib.get_close_matches("stage", [str(key) for key in values], n=1, cutoff=0.6)
-            typo = f" It has {near[0]!r}: a typo of 'stage'?" if near else ""
             raise ValueError(
                 f"The DeepSpeed config {self.where} sets no zero_optimization.stage, which DeepSpeed takes as 0 (plain"
-                f" data parallelism).{typo} Set zero_optimization.stage to 1, 2 or 3, or use Trainer(strategy='ddp')."
+                f" data parallelism).{_typo_of('stage', values)} Set zero_optimization.stage to 1, 2 or 3, or use Trainer(strategy='ddp')."
             )
         stage = values["stage"]
         if stage == 0:

@@ -60,17 +60,17 @@ from lightning_zero.parallel.mesh import sync_module_states
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.strategy import (
     _check_params_in_one_optimizer,
+    _do_nothing,
     _materialize_meta_buffers,
     _read_deepspeed,
     _reset_parameters,
-    _do_nothing,
     _resolve_config,
 )
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import agree_before_step, check_same_model
 from lightning_zero.zero.engine import ZeroEngine, make_engine
-from lightning_zero.zero.stage3.generation import sync_generation
 from lightning_zero.zero.optimizer import ShardedOptimizer
+from lightning_zero.zero.stage3.generation import sync_generation
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 

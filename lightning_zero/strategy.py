@@ -105,18 +105,17 @@ from lightning_zero.zero.stage3.generation import sync_generation
 
 log = logging.getLogger(__name__)
 
-
 # The callbacks that copy the module at setup to average its weights (WeightAveraging: lightning>=2.6).
 _WEIGHT_AVERAGING_CALLBACKS: tuple[type, ...] = tuple(
     cls for cls in (getattr(pl.callbacks, name, None) for name in ("StochasticWeightAveraging", "WeightAveraging"))
     if cls is not None
 )
-# In a whole checkpoint loaded at stage 3 with a WeightAveraging callback: its "state_dict" whole, for
-# load_model_state_dict (the checkpoint's "state_dict" then holds the average's pieces).
-_WHOLE_MODEL_STATE = "lightning_zero_whole_model_state"
 # Of those, the ones that swap a checkpoint's "state_dict" for their average (and back on load).
 _SWAPPING_AVERAGES: tuple[type, ...] = tuple(cls for cls in (getattr(pl.callbacks, "WeightAveraging", None),)
                                              if cls is not None)
+# In a whole checkpoint loaded at stage 3 with such a callback: its "current_model_state" whole, for
+# load_model_state_dict (the checkpoint's "state_dict" and "current_model_state" then hold pieces).
+_WHOLE_MODEL_STATE = "lightning_zero_whole_model_state"
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 StateDictType = Literal["sharded", "full"]

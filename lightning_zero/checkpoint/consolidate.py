@@ -27,7 +27,6 @@ from lightning_zero.checkpoint.serialization import (
     save_safetensors_streamed,
     save_torch_streamed,
 )
-from lightning_zero.checkpoint.state import AVERAGE_KEY, AVERAGE_MARK, SWA_MARK, swa_average_key
 from lightning_zero.checkpoint.sharded import (
     MODEL_KEY,
     CheckpointError,
@@ -41,6 +40,7 @@ from lightning_zero.checkpoint.sharded import (
     resolve_checkpoint_path,
     saved_state_keys,
 )
+from lightning_zero.checkpoint.state import AVERAGE_KEY, AVERAGE_MARK, SWA_MARK, swa_average_key
 
 log = logging.getLogger(__name__)
 
@@ -155,10 +155,17 @@ def _not_a_directory(path: Path) -> str:
 
 def _model_entries(path: Path, metadata: Metadata, meta: CheckpointMeta, dtype: torch.dtype) -> dict[str, Any]:
     """The module's state dict in order: an _Entry per tensor, the value itself for extra state."""
+    return _entries(path, metadata, [(key, f"{MODEL_KEY}.{meta.aliases.get(key, key)}") for key in meta.model_keys],
+                    dtype, "in the model")
+
+
+def _entries(path: Path, metadata: Metadata, sources: list[tuple[str, str]], dtype: torch.dtype,
+             where: str) -> dict[str, Any]:
+    """Per (key, DCP key) of ``sources``, in order: an _Entry for a tensor, the value itself for an
+    object; ``where`` names the listing in the error for a key with no data."""
     result: dict[str, Any] = {}
     objects: list[tuple[str, str]] = []
-    for key in meta.model_keys:
-        source = f"{MODEL_KEY}.{meta.aliases.get(key, key)}"
+    for key, source in sources:
         md = metadata.state_dict_metadata.get(source)
         if isinstance(md, TensorStorageMetadata):
             saved = md.properties.dtype
@@ -170,7 +177,7 @@ def _model_entries(path: Path, metadata: Metadata, meta: CheckpointMeta, dtype: 
             result[key] = None
             objects.append((key, source))
         else:
-            raise CheckpointError(f"{path} lists '{key}' in the model but holds no data for it: the checkpoint is damaged.")
+            raise CheckpointError(f"{path} lists '{key}' {where} but holds no data for it: the checkpoint is damaged.")
     if objects:
         values = _read_objects(path, metadata, [source for _, source in objects])
         for key, source in objects:
@@ -191,23 +198,8 @@ def _average_entries(path: Path, metadata: Metadata, meta: CheckpointMeta, names
     prefix = namespace + "."
     saved = [fqn[len(prefix):] for fqn in metadata.state_dict_metadata if fqn.startswith(prefix)]
     order = {key: index for index, key in enumerate(meta.model_keys)}
-    result: dict[str, Any] = {}
-    objects: list[tuple[str, str]] = []
-    for key in sorted(saved, key=lambda key: order.get(key, len(order))):
-        source = prefix + key
-        md = metadata.state_dict_metadata[source]
-        if isinstance(md, TensorStorageMetadata):
-            saved_dtype = md.properties.dtype
-            cast = saved_dtype.is_floating_point and saved_dtype.itemsize <= 4
-            result[key] = _Entry(key, source, tuple(md.size), saved_dtype, dtype if cast else saved_dtype)
-        else:
-            result[key] = None
-            objects.append((key, source))
-    if objects:
-        values = _read_objects(path, metadata, [source for _, source in objects])
-        for key, source in objects:
-            result[key] = values[source]
-    return result
+    keys = sorted(saved, key=lambda key: order.get(key, len(order)))
+    return _entries(path, metadata, [(key, prefix + key) for key in keys], dtype, f"in {namespace}")
 
 
 def _optimizer_states(path: Path, metadata: Metadata, meta: CheckpointMeta) -> tuple[list[dict[str, Any]], list[_Entry]]:
