@@ -12,6 +12,7 @@ import os
 from contextlib import nullcontext
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,20 @@ def _same_world(directory: str) -> dict[str, Any]:
     # The source of the 2 -> 1 and 2 -> 4 cases: ZeRO-2, 2 ranks, 2 epochs.
     _, fitted = run(zero(2), 2, 2)
     save_both(fitted, directory, "two_ranks")
+    # Saved into a directory of the user's: every rank refuses, nothing in it is lost.
+    users = Path(directory) / "users_dir"
+    if fitted.global_rank == 0:
+        users.mkdir()
+        (users / "data.csv").write_text("kept")
+    start = time.monotonic()
+    try:
+        with launched_environment():
+            fitted.save_checkpoint(users)
+        out["into_users_dir"] = "saved"
+    except CheckpointError as error:
+        out["into_users_dir"] = str(error)
+    out["into_users_dir_seconds"] = time.monotonic() - start
+    out["users_dir_after"] = sorted(p.name for p in users.iterdir())
     # A DDP checkpoint, and a run that trains on from it with ZeRO-3 (and with DDP, the reference).
     _, fitted = run("ddp", 2, 2)
     with launched_environment():
@@ -441,6 +456,12 @@ def test_bad_checkpoints_fail_clearly_and_load_nothing(results: dict[str, Any], 
 
 def test_non_strict_loading_takes_the_keys_both_models_have(results: dict[str, Any]) -> None:
     assert torch.equal(results["one"]["errors"]["non_strict_embed"], results["two_ranks_full"]["state_dict"]["embed.weight"])
+
+
+def test_a_save_into_a_directory_that_is_not_a_checkpoint_is_refused_on_every_rank(results: dict[str, Any]) -> None:
+    same = results["same"]
+    assert "users_dir: it is a directory that is not a checkpoint (it holds data.csv)" in same["into_users_dir"]
+    assert same["users_dir_after"] == ["data.csv"] and same["into_users_dir_seconds"] < 30
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(results: dict[str, Any]) -> None:

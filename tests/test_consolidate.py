@@ -302,6 +302,23 @@ def test_save_replaces_a_checkpoint_and_leaves_nothing_behind(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def test_save_refuses_a_directory_that_is_not_a_checkpoint_and_keeps_its_files(tmp_path: Path) -> None:
+    # trainer.save_checkpoint(default_root_dir) replaced the run's directory, logs and data included
+    root = tmp_path / "run"
+    (root / "lightning_logs" / "version_0").mkdir(parents=True)
+    (root / "my_dataset.csv").write_text("precious")
+    with pytest.raises(CheckpointError, match=r"run: it is a directory that is not a checkpoint \(it holds"
+                                              r" lightning_logs, my_dataset.csv\).*e.g. .*run/model.ckpt"):
+        _complete_checkpoint(root, "first")
+    assert sorted(p.name for p in root.iterdir()) == ["lightning_logs", "my_dataset.csv"]
+    assert (root / "my_dataset.csv").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no partial directory left either
+    # an empty directory holds nothing to lose: it becomes the checkpoint
+    (tmp_path / "empty").mkdir()
+    _complete_checkpoint(tmp_path / "empty", "second")
+    assert sharded.read_meta(tmp_path / "empty").lightning == {"marker": "second"}
+
+
 def test_crash_between_the_two_renames_falls_back_to_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

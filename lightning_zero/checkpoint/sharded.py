@@ -31,6 +31,8 @@ and deletes the old one. Where the filesystem cannot exchange, the old checkpoin
 renamed to ``.<name>.previous``; a crash between the two renames leaves it there, and
 :func:`resolve_checkpoint_path` falls back to it. A crash at any other moment leaves the
 previous checkpoint untouched at its name, and the partial directory is removed by the next save.
+Only a checkpoint (or an empty directory) is replaced: a directory that holds anything else is the
+user's (a run's root directory, a dataset), and the save refuses it on every rank before writing.
 """
 
 from __future__ import annotations
@@ -280,12 +282,18 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.Pro
     distributed = is_distributed()
     rank = rank_of(group)
     staging = _staging_path(target)
+    refusal: list[str | None] = [None]
     if rank == 0:
-        if staging.exists():
-            shutil.rmtree(staging)  # a save that crashed before its rename
-        staging.mkdir(parents=True)
-    if distributed:
-        dist.barrier(group=group)
+        refusal[0] = _not_replaceable(target)
+        if refusal[0] is None:
+            if staging.exists():
+                shutil.rmtree(staging)  # a save that crashed before its rename
+            staging.mkdir(parents=True)
+    if distributed:  # also the barrier before any rank writes into the staging directory
+        source = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(refusal, src=source, group=group)
+    if refusal[0] is not None:
+        raise CheckpointError(refusal[0])
     writer = (ChecksummingWriter if checksums else dcp.FileSystemWriter)(staging, sync_files=True)
     with quiet_dcp():
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
@@ -294,6 +302,21 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.Pro
         _fsync_directory(target.parent)  # the rename itself survives a power cut
     if distributed:
         dist.barrier(group=group)
+
+
+def _not_replaceable(target: Path) -> str | None:
+    """Why a save must not replace ``target`` (see [Note: atomic save]), or None."""
+    if not target.is_dir() or is_sharded_checkpoint(target):
+        return None
+    entries = sorted(entry.name for entry in target.iterdir())
+    if not entries:
+        return None
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    return (
+        f"Cannot save a sharded checkpoint at {target}: it is a directory that is not a checkpoint (it holds"
+        f" {shown}), and the save would replace it with everything in it. Save to a path of its own, e.g."
+        f" {target / 'model.ckpt'}, or remove the directory first if nothing in it is needed."
+    )
 
 
 def _commit(staging: Path, target: Path) -> None:
