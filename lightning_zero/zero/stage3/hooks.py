@@ -76,6 +76,17 @@ class StepState:
     backward_visited: set[ShardedUnit] = field(default_factory=set)  # units whose backward began
 
 
+# [Note: compiled units]
+# A unit module compiled on its own (``block.compile()``, which compiles its __call__ with the
+# hooks inside) must not have dynamo trace the forward hooks: they gather and free storage, swap
+# a parameter between its 1-d piece and its whole shape, and count calls, none of which a graph
+# can replay (it captured the parameter as the 1-d piece it was before the gather, then failed on
+# the whole one). The hooks run eagerly, a graph break on each side of the module's own forward,
+# which dynamo then compiles with the parameters whole, as they always are inside a gather.
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compiler.disable(hook, recursive=True)
+
+
 def in_backward() -> bool:
     """True while the autograd engine runs a backward on this thread (e.g. a checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1
@@ -191,7 +202,7 @@ class Zero3Hooks:
             for unit in units:
                 self.acquire(unit, order=self.order.forward if prefetch else None)
 
-        return pre_forward
+        return _eager(pre_forward)
 
     def _make_post_forward(self, units: Sequence[ShardedUnit]) -> Callable[..., Any]:
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
@@ -218,7 +229,7 @@ class Zero3Hooks:
                         self._release_after_input_grads(unit, args)
             return output
 
-        return post_forward
+        return _eager(post_forward)
 
     def _make_root_pre_forward(self, root: ShardedUnit) -> Callable[..., None]:
         def pre_forward(module: nn.Module, args: Any) -> None:
@@ -229,7 +240,7 @@ class Zero3Hooks:
                 self._enter("pre-forward hook", Phase.FORWARD if torch.is_grad_enabled() else None)
                 self.acquire(root)  # only counts while the strategy holds it for a step
 
-        return pre_forward
+        return _eager(pre_forward)
 
     def _make_root_post_forward(self, root: ShardedUnit) -> Callable[..., Any]:
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
@@ -246,7 +257,7 @@ class Zero3Hooks:
                     )
             return output
 
-        return post_forward
+        return _eager(post_forward)
 
     # ------------------------------------------------------------------ backward
     def _release_after_input_grads(self, unit: ShardedUnit, args: Any) -> None:
