@@ -1,5 +1,9 @@
 """Parameters without a gradient in a step are skipped as torch.optim skips them, at every stage.
 
+Frozen parameters: one frozen after setup trains like DDP until then; one frozen at setup and
+unfrozen later, or added to the optimizer later (Lightning's finetuning callbacks), is an error
+on every rank naming it, never a parameter that silently does not train ([Note: the trainable set]).
+
 A LayerDrop model (a block skipped on every rank in some steps, by a rule all ranks share) and a
 tiny MoE (top-1 routing: one expert gets tokens on rank 0 only, another on no rank in most steps)
 train with AdamW (and SGD with momentum) at stages 1, 2, 3 and with offload, with and without
@@ -15,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BaseFinetuning, Callback
 from torch import Tensor, nn
 
 from harness import run_on_ranks
@@ -142,8 +146,56 @@ def _run(module_class: type, strategy: Any, accumulate: int) -> dict[str, Any]:
     return {"params": params_of(module), "optimizer": final.state, "losses": module.losses, "usage": usage}
 
 
+class HeadToggled(TinyGPT):
+    """The head starts frozen (``frozen_head``), or trainable; ``optimize_frozen`` keeps frozen
+    parameters in the optimizer (torch skips them) instead of leaving them out."""
+
+    def __init__(self, frozen_head: bool, optimize_frozen: bool = True) -> None:
+        super().__init__()
+        self.optimize_frozen = optimize_frozen
+        self.head.requires_grad_(not frozen_head)
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if self.optimize_frozen or p.requires_grad]
+        return torch.optim.AdamW(params, lr=1e-2)
+
+
+class ToggleHeadAt(Callback):
+    """At batch 2: ``"unfreeze"`` (requires_grad_), ``"add_group"`` (BaseFinetuning's
+    unfreeze_and_add_param_group, what BackboneFinetuning does) or ``"freeze"``."""
+
+    def __init__(self, action: str) -> None:
+        self.action = action
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx != 2:
+            return
+        head = module.head  # type: ignore[attr-defined]
+        if self.action == "add_group":
+            BaseFinetuning.unfreeze_and_add_param_group(head, trainer.optimizers[0], lr=1e-2)
+        else:
+            head.requires_grad_(self.action == "unfreeze")
+
+
+def _late_trainable(strategy: Any, action: str) -> dict[str, Any]:
+    pl.seed_everything(0)
+    module = HeadToggled(frozen_head=action != "freeze", optimize_frozen=action != "add_group")
+    head_before = module.head.weight.detach().clone()
+    try:
+        fit(module, strategy, WORLD, steps=STEPS, callbacks=[ToggleHeadAt(action)])
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    return {"message": message, "params": params_of(module), "losses": module.losses,
+            "head moved": not torch.equal(module.head.weight.detach(), head_before)}
+
+
 def _cases() -> dict[str, Any]:
     out: dict[str, Any] = {}
+    out["freeze_ddp"] = _late_trainable("ddp_find_unused_parameters_true", "freeze")
+    for name in ("zero2", "zero3"):
+        for action in ("unfreeze", "add_group", "freeze"):
+            out[f"{action}_{name}"] = _late_trainable(ZeroStrategy(config=ZeroConfig(**STRATEGIES[name])), action)
     for model_name, module_class in (("layerdrop", LayerDropGPT), ("moe", TinyMoE)):
         for accumulate in (1, 2):
             key = f"{model_name}_acc{accumulate}"
@@ -225,3 +277,27 @@ def test_the_models_exercise_the_cases(results: list[dict[str, Any]]) -> None:
         assert all(counts[2] > 0 for counts in routed[0]) and all(counts[2] == 0 for counts in routed[1])
         assert any(counts[3] > 0 for counts in routed[0])
         assert any(all(r[i][3] == 0 for r in routed) for i in range(len(routed[0])))
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_a_parameter_frozen_at_setup_and_trained_later_is_named_not_silently_skipped(
+    results: list[dict[str, Any]], strategy: str
+) -> None:
+    for per_rank in results:
+        unfrozen = per_rank[f"unfreeze_{strategy}"]["message"]
+        assert "'head.weight', 'head.bias' were frozen (requires_grad=False) when the strategy set the optimizer" in unfrozen
+        added = per_rank[f"add_group_{strategy}"]["message"]
+        assert "2 parameter(s) were added to its param groups since ('head.weight', 'head.bias')" in added
+        for message in (unfrozen, added):
+            assert "would not train" in message and "trainable from the start" in message
+        # the error comes at the first step after the change (batch 2's)
+        assert len(per_rank[f"unfreeze_{strategy}"]["losses"]) == len(per_rank[f"add_group_{strategy}"]["losses"]) == 3
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_a_parameter_frozen_after_setup_stops_training_like_ddp(results: list[dict[str, Any]], strategy: str) -> None:
+    for per_rank in results:
+        zero, ddp = per_rank[f"freeze_{strategy}"], per_rank["freeze_ddp"]
+        assert zero["message"] == ddp["message"] == "no error"
+        _assert_matches(zero, ddp)
+        assert zero["head moved"]

@@ -308,7 +308,10 @@ class FlatLayout:
         self.config = config
         self.buffers: list[list[FlatParamBuffer]] = []  # [param group][dtype]
         self.slot_of: dict[nn.Parameter, tuple[Bucket, ParamSlot]] = {}
+        # The optimizer's parameters left out because they were frozen (see [Note: the trainable set]).
+        self.frozen_at_setup: dict[nn.Parameter, str] = {}
         self.on_grad: Callable[[int], None] = lambda index: None  # the optimizer's "got a gradient"
+        self._names = names
         self._init_buffers(optimizer, names, param_dtype)
         self.schedule = ReduceSchedule([bucket.reduction for bucket in self.buckets], collectives)
         self.schedule.poll_after_launch = config.offload_optimizer is not None
@@ -350,6 +353,7 @@ class FlatLayout:
                         " the module's own parameters. Build the optimizer from self.parameters()."
                     )
                 if not param.requires_grad:
+                    self.frozen_at_setup[param] = names[param]
                     continue  # torch.optim skips parameters without gradients; so does ZeRO.
                 by_dtype.setdefault(param.dtype, []).append((index, names[param], param))
                 index += 1
@@ -374,6 +378,10 @@ class FlatLayout:
                     for slot in bucket.slots:
                         self.slot_of[slot.param] = (bucket, slot)
             self.buffers.append(group_buffers)
+
+    def param_name(self, param: nn.Parameter) -> str:
+        """The module's name for ``param`` (its shape for a tensor the module does not hold)."""
+        return self._names.get(param, f"<a tensor of shape {tuple(param.shape)}>")
 
     # ------------------------------------------------------------------ what the optimizer steps
     @property

@@ -137,6 +137,9 @@ class ShardLayout(Protocol):
     comm_device: torch.device  # where small collectives run
     staging: StagingBuffers | None  # the CPU step's low-precision copies (offload)
     on_grad: Callable[[int], None]  # told the optimizer-local index of each parameter given a gradient
+    frozen_at_setup: dict[nn.Parameter, str]  # the optimizer's parameters left out as frozen, by name
+
+    def param_name(self, param: nn.Parameter) -> str: ...
 
     @property
     def num_trainable(self) -> int: ...
@@ -324,6 +327,38 @@ class ShardedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    # [Note: the trainable set]
+    # ZeRO shards what the optimizer trains: the parameters of its param groups that require a
+    # gradient when the strategy sets it up get master pieces, gradient buckets and hooks; frozen
+    # ones get none (a frozen base under LoRA costs no optimizer memory). That set is fixed from
+    # then on. A parameter unfrozen later (BaseFinetuning's unfreeze, requires_grad_(True) between
+    # epochs) or a param group added later (BackboneFinetuning's add_param_group) has no master to
+    # step, and torch's step would skip it without a word (stages 1/2: its .grad is never set) or
+    # fail on its 1-d piece (stage 3). So every step first checks both, on every rank before any
+    # collective (the ranks run the same callbacks), and raises naming the parameters. Freezing
+    # later is fine: a parameter without a gradient is left out of the step, as in torch.
+    def _check_trainable_set(self) -> None:
+        groups = self.optimizer.param_groups
+        added = [param for index, group in enumerate(groups) for param in group["params"][
+            len(self._group_params[index]) if index < len(self._group_params) else 0:]]
+        unfrozen = [name for param, name in self.layout.frozen_at_setup.items() if param.requires_grad]
+        if not added and not unfrozen:
+            return
+        what = []
+        if unfrozen:
+            what.append(f"the parameter(s) {_some_names(unfrozen)} were frozen (requires_grad=False) when the"
+                        " strategy set the optimizer up and are trainable now")
+        if added:
+            names = [self.layout.param_name(param) for param in added]
+            what.append(f"{len(added)} parameter(s) were added to its param groups since ({_some_names(names)})")
+        raise RuntimeError(
+            f"ZeRO shards the parameters {type(self.optimizer).__name__} trains once, at setup, but "
+            + " and ".join(what) + ": they have no optimizer shard and would not train. Make every parameter the run"
+            " will train trainable, and part of the optimizer, before fit (hold one back with its param group's lr at 0"
+            " until it should train), or train in two fits: the second one loads the first one's weights with those"
+            " parameters trainable from the start."
+        )
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Reduces, checks, unscales/clips and applies the update, then publishes the new parameters.
@@ -337,6 +372,7 @@ class ShardedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_trainable_set()
         if self._can_overlap_step():
             self._overlapped_step()
             return loss
@@ -836,6 +872,11 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def remove_hooks(self) -> None:
         self.engine.remove_hooks()
+
+
+def _some_names(names: Sequence[str], shown: int = 5) -> str:
+    listed = ", ".join(repr(name) for name in names[:shown])
+    return listed if len(names) <= shown else f"{listed} and {len(names) - shown} more"
 
 
 def _is_per_element(pieces: Sequence[ParamPiece], states: Sequence[Mapping[str, Any]], key: str) -> bool:

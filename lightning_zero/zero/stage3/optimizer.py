@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
@@ -36,6 +36,8 @@ class Zero3Layout:
         self.comm_device = engine.device
         self.on_grad: Callable[[int], None] = lambda index: None
         self.groups: list[list[ShardedParam]] = []
+        # The optimizer's parameters left out because they were frozen (see [Note: the trainable set]).
+        self.frozen_at_setup: dict[nn.Parameter, str] = {}
         self._local_index: dict[ShardedParam, int] = {}
         for number, group in enumerate(optimizer.param_groups):
             members = []
@@ -48,6 +50,7 @@ class Zero3Layout:
                         " shard the module's own parameters. Build the optimizer from self.parameters()."
                     )
                 if not param.requires_grad:
+                    self.frozen_at_setup[param] = sp.name
                     continue
                 self._local_index[sp] = len(self._local_index)
                 members.append(sp)
@@ -66,6 +69,11 @@ class Zero3Layout:
                 assert sp.unit.staging is not None
                 self.staging.add(sp.holder, sp.shard_range.slice(sp.unit.staging))
         engine.add_grad_listener(self._on_engine_grad)
+
+    def param_name(self, param: nn.Parameter) -> str:
+        """The module's name for ``param`` (its shape for a tensor the module does not hold)."""
+        sp = self.engine.sharded_params.get(param)
+        return sp.name if sp is not None else f"<a tensor of shape {tuple(param.shape)}>"
 
     def _stage_fused_device_steps(self, optimizer: Optimizer, engine: Zero3Engine) -> None:
         """Units whose fp32 masters the fused device step updates take its rounded copy straight
