@@ -67,7 +67,7 @@ from lightning_zero.strategy import (
     _resolve_config,
 )
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
-from lightning_zero.zero.consistency import agree_before_step, check_same_model
+from lightning_zero.zero.consistency import agree_before_collective, agree_before_step, check_same_model
 from lightning_zero.zero.engine import ZeroEngine, make_engine
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.stage3.generation import sync_generation
@@ -170,6 +170,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._optimizers: list[ShardedOptimizer] = []
         self._synced_backwards = 0  # backward calls whose gradients the next step reduces
         self._in_no_sync = False
+        self._in_loop_collective = False  # inside one of the loop's collectives: its nested ones agree no more
         self._cast_pending = False
         self._forward_handle: Any = None
         self._unsync_generation: Callable[[], None] = _do_nothing  # not a lambda: spawn pickles the strategy
@@ -354,6 +355,46 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             engine.release_after_step()  # a forward with gradients but no backward
             engine.end_backward()
 
+    # ------------------------------------------------------------------ the loop's collectives
+    @contextmanager
+    def _agreed(self, call: str) -> Generator[None, None, None]:
+        """Runs one of the loop's collectives (see [Note: ranks that disagree] in zero/consistency.py)
+        after the ranks agreed they all reached it with as many backwards not stepped: a rank that
+        skipped an optimizer step raises here, and so do the others, in their step or here."""
+        if self._engine is None or self._in_loop_collective or self.world_size == 1:
+            yield
+            return
+        self._in_loop_collective = True
+        try:
+            agree_before_collective(self.collectives, call, self._synced_backwards)
+            yield
+        finally:
+            self._in_loop_collective = False
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self._agreed("barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
+        if not _is_world(group):  # a subgroup's collective: the agreement is over every rank
+            return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
+        with self._agreed("all_reduce"):
+            return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if not _is_world(group):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        with self._agreed("all_gather"):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with self._agreed("broadcast"):
+            return super().broadcast(obj, src)
+
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Tensor:
@@ -416,9 +457,10 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         rest = self._convert_stateful_objects_in_state(
             {k: v for k, v in state.items() if k not in sharded}, filter=filter or {})
         extra = {_FABRIC_KEYS: {"model": model_key, "optimizers": optimizer_keys}, **rest}
-        target = Path(self.broadcast(str(path)))  # every rank writes into rank 0's path
-        save_sharded_checkpoint(target, self._module, [state[k] for k in optimizer_keys], engine,  # type: ignore[arg-type]
-                                extra=extra)
+        with self._agreed("save"):
+            target = Path(self.broadcast(str(path)))  # every rank writes into rank 0's path
+            save_sharded_checkpoint(target, self._module, [state[k] for k in optimizer_keys],  # type: ignore[arg-type]
+                                    engine, extra=extra)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
@@ -438,18 +480,20 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                 " on one rank; `lightning-zero consolidate` writes one file).")
         model_key, optimizer_keys = self._roles(state, "fabric.load")
         optimizers = [state[k] for k in optimizer_keys]
-        if sharded:
-            lightning = load_sharded_checkpoint(source, self._module, optimizers or None, engine,  # type: ignore[arg-type]
-                                                strict=strict)
-            lightning.pop(_FABRIC_KEYS, None)
-        else:
-            lightning = load_full_checkpoint(source, model_key)
-            engine.load_full_state_dict(dict(lightning.pop(model_key)), strict=strict)
-            for key in optimizer_keys:
-                if key in lightning:
-                    state[key].load_state_dict(lightning.pop(key))
-                elif strict:
-                    raise KeyError(f"{source} has no entry {key!r} for the optimizer; it has {sorted(lightning)}.")
+        lightning: dict[str, Any]
+        with self._agreed("load"):
+            if sharded:
+                lightning = load_sharded_checkpoint(source, self._module, optimizers or None,  # type: ignore[arg-type]
+                                                    engine, strict=strict)
+                lightning.pop(_FABRIC_KEYS, None)
+            else:
+                lightning = load_full_checkpoint(source, model_key)
+                engine.load_full_state_dict(dict(lightning.pop(model_key)), strict=strict)
+                for key in optimizer_keys:
+                    if key in lightning:
+                        state[key].load_state_dict(lightning.pop(key))
+                    elif strict:
+                        raise KeyError(f"{source} has no entry {key!r} for the optimizer; it has {sorted(lightning)}.")
         others = [k for k in state if k != model_key and k not in optimizer_keys]
         _validate_keys_for_strict_loading(others, lightning.keys(), strict=strict)
         for key in others:
@@ -533,6 +577,11 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
                 yield
         finally:
             strategy._in_no_sync = False
+
+
+def _is_world(group: Any) -> bool:
+    """Whether a collective's ``group`` is every rank (Fabric passes the world group itself)."""
+    return group is None or group is torch.distributed.group.WORLD
 
 
 def _as_sharded(optimizer: Any, what: str) -> ShardedOptimizer:

@@ -181,6 +181,45 @@ def _cases(tmp: str) -> dict[str, Any]:
         out["disagree"] = None
     except RanksDisagreeError as error:
         out["disagree"] = str(error)
+
+    # rank 1 skips a step the others take, then calls one of the loop's collectives: without the
+    # agreement before it, rank 1 waits there and the others in the step, for ever
+    for stage, call in (("zero2", "barrier"), ("zero3", "save")):
+        fabric = _fabric(stage)
+        module, model, optimizer, scheduler = _setup(fabric)
+        try:
+            for step in range(2):
+                fabric.backward(model(tokens).sum())
+                if fabric.global_rank == 0 or step == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            if call == "barrier":
+                fabric.barrier()
+            else:
+                fabric.save(Path(tmp) / "skipped", {"model": model, "optimizer": optimizer})
+            out[f"skip then {call}"] = None
+        except RanksDisagreeError as error:
+            out[f"skip then {call}"] = str(error)
+    # rank 1 runs one backward more, then both reach an all_reduce (its next step would pair that
+    # backward's reductions with the others' next ones)
+    fabric = _fabric("zero2")
+    module, model, optimizer, scheduler = _setup(fabric)
+    try:
+        fabric.backward(model(tokens).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        if fabric.global_rank == 1:
+            fabric.backward(model(tokens).sum())
+        fabric.all_reduce(torch.tensor(1.0))
+        out["extra backward then all_reduce"] = None
+    except RanksDisagreeError as error:
+        out["extra backward then all_reduce"] = str(error)
+    # agreed collectives still compute what they did
+    fabric = _fabric("zero2")
+    module, model, optimizer, scheduler = _setup(fabric)
+    out["agreed all_reduce"] = float(fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op="sum"))
+    out["agreed broadcast"] = fabric.broadcast(fabric.global_rank + 5)
+    fabric.barrier()
     return out
 
 
@@ -261,3 +300,16 @@ def test_fabric_takes_a_deepspeed_config_and_names_what_it_refuses() -> None:
         ZeroFabricStrategy(deepspeed_config=ds, precision=ZeroFabricPrecision("bf16-mixed"))
     with pytest.raises(ValueError, match=r"ZeroFabricStrategy\(deepspeed_config=\.\.\., stage=\.\.\.\)"):
         ZeroFabricStrategy(stage=2, deepspeed_config=ds)
+
+
+def test_fabric_rank_that_skips_a_step_raises_at_the_next_collective(runs: list[dict[str, Any]]) -> None:
+    for out in runs:
+        for call in ("barrier", "save"):  # rank 0 is inside its step's agreement
+            message = out[f"skip then {call}"]
+            assert message is not None, call
+            assert f"rank 1 calls fabric.{call}() with 1 backward(s) not stepped" in message
+            assert "rank 0 reduces the gradients of 1 backward(s)" in message
+        message = out["extra backward then all_reduce"]  # both at the all_reduce, one holding a backward
+        assert message is not None and "not stepped yet (by rank: [0, 1])" in message
+        assert "reduce_boolean_decision" in message
+        assert out["agreed all_reduce"] == 1.0 and out["agreed broadcast"] == 5

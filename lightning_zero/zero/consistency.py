@@ -18,6 +18,11 @@ same clear error on every rank when those differ:
   (``agree_after_batch``): a rank that skips a step the others take (returns early from
   training_step) would otherwise go on to the next batch, where Lightning's own collective
   (a broadcast every batch) waits for ranks that wait in the step's agreement: a deadlock.
+- under Fabric, which has no batch boundary to hook, before each of the loop's own collectives
+  (``fabric.barrier``, ``all_reduce``, ``all_gather``, ``broadcast``, ``save``, ``load``), which
+  call it is and how many backwards are not stepped yet (``agree_before_collective``): a rank that
+  skipped a step and went on to one of these would otherwise wait there while the others wait in
+  the step.
 
 The exchange is one small all-gather of the same size at every such point (``agree_at``), so
 ranks at two different points meet in it and both raise; it runs on a gloo group beside an NCCL
@@ -50,6 +55,11 @@ class Point(enum.IntEnum):
     GATHER = 3  # values: the unit's number, why it is gathered
     SYNC = 4  # values: synchronized backwards since the last optimizer step, leftover gradients, got every gradient
     BATCH_END = 5  # values: optimizer steps this training_step took, synchronized backwards not stepped yet
+    COLLECTIVE = 6  # values: which of LOOP_COLLECTIVES the loop calls, synchronized backwards not stepped yet
+
+
+# The collectives a Fabric loop calls itself, numbered for Point.COLLECTIVE by their place here.
+LOOP_COLLECTIVES = ("barrier", "all_reduce", "all_gather", "broadcast", "save", "load")
 
 
 _POINT_WIDTH = 4  # the point and three values
@@ -82,6 +92,8 @@ def _describe(row: Sequence[int]) -> str:
         return f"reduces the gradients of {row[1]} backward(s) for an optimizer step"
     if point is Point.BATCH_END:
         return f"ended its training_step after {row[1]} optimizer step(s)"
+    if point is Point.COLLECTIVE:
+        return f"calls {_loop_collective(row[1])} with {row[2]} backward(s) not stepped"
     return f"is at an unknown point {row[0]}"
 
 
@@ -124,6 +136,28 @@ def agree_after_batch(collectives: AnyCollectives, steps: int, pending_backwards
             " (decide it together, e.g. with trainer.strategy.reduce_boolean_decision), or backward and step a zero"
             " loss ((0 * loss).sum()) on the rank that would skip."
         )
+
+
+def _loop_collective(code: int) -> str:
+    return f"fabric.{LOOP_COLLECTIVES[code - 1]}()" if 1 <= code <= len(LOOP_COLLECTIVES) else f"collective #{code}"
+
+
+def agree_before_collective(collectives: AnyCollectives, call: str, pending_backwards: int) -> None:
+    """Before one of the loop's own collectives (``call``, one of LOOP_COLLECTIVES): every rank is
+    at the same call and holds as many synchronized backwards not stepped yet, or every rank raises.
+    A rank still inside a step (its agreement) meets this one and both raise."""
+    rows = agree_at(collectives, Point.COLLECTIVE, [LOOP_COLLECTIVES.index(call) + 1, pending_backwards])
+    if len({tuple(row) for row in rows}) == 1:
+        return
+    calls = [_loop_collective(row[0]) for row in rows]
+    pending = [row[1] for row in rows]
+    raise RanksDisagreeError(
+        f"The ranks reached different collectives (by rank: {calls}) or hold different numbers of backward calls"
+        f" not stepped yet (by rank: {pending}). Every rank must call backward, optimizer.step() and the"
+        " collectives in the same order: skip a batch on every rank alike (decide it together, e.g. with"
+        " fabric.strategy.reduce_boolean_decision), or backward and step a zero loss ((0 * loss).sum()) on the"
+        " rank that would skip."
+    )
 
 
 def model_fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
