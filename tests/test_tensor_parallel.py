@@ -203,7 +203,7 @@ def _run(name: str, config: ZeroConfig, data_size: int, steps: int = STEPS, samp
         if ckpt_save is not None:
             trainer.save_checkpoint(ckpt_save)
     return {"losses": module.losses, "params": _local_params(module, strategy), "bytes": bytes_,
-            "dims": strategy.parallel_dims, "initial": getattr(module, "initial", None)}
+            "dims": strategy.parallel_dims, "initial": getattr(module, "initial", None), "saved": ckpt_save}
 
 
 class NoPlanGPT(TensorParallelGPT):
@@ -279,7 +279,9 @@ def _all_cases(tmp: str) -> dict[str, Any]:
     results: dict[str, Any] = {"errors": _bad_inputs(), "lifecycle": _lifecycle()}
     for name in ("gpt", "hf_gpt2"):
         for stage in (1, 2, 3):
-            results[f"{name}-tp2-zero{stage}"] = _run(name, ZeroConfig(stage=stage, parallel=tp2), data_size=2)
+            saved = f"{tmp}/{name}-tp2-zero{stage}.ckpt" if (name, stage) == ("hf_gpt2", 3) else None
+            results[f"{name}-tp2-zero{stage}"] = _run(name, ZeroConfig(stage=stage, parallel=tp2), data_size=2,
+                                                      ckpt_save=saved)
         results[f"{name}-tp2-zero2_offload"] = _run(
             name, ZeroConfig(stage=2, offload_optimizer=offload, parallel=tp2), data_size=2)
         results[f"{name}-tp2-zero3_offload"] = _run(
@@ -402,6 +404,30 @@ def test_tensor_parallel_matches_one_process(results: list[dict[str, Any]], refe
     _compare_weights(name, global_params(ranks, tensor=2), ref_weights)
     # the other data-parallel rank holds the same parts
     _compare_weights(name, global_params(ranks[2:], tensor=2), ref_weights)
+
+
+def test_a_tensor_parallel_gpt2_checkpoint_exports_to_hugging_face_in_gpt2s_own_layout(
+    results: list[dict[str, Any]], references: dict[str, Any], tmp_path: Path
+) -> None:
+    """parallelize_hf_gpt2 converts the blocks (q/k/v Linears, transposed projections), so the
+    checkpoint holds that layout; the export writes GPT-2's own, which from_pretrained loads."""
+    from transformers import GPT2LMHeadModel
+
+    from lightning_zero import consolidate_hf
+
+    checkpoint = results[0]["hf_gpt2-tp2-zero3"]["saved"]
+    consolidate_hf(checkpoint, tmp_path / "hf", progress=False)
+    HFGPT2().model.config.save_pretrained(tmp_path / "hf")
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")  # raises on a missing, unexpected or mis-shaped key
+    _, expected = references["hf_gpt2"]
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, expected[f"model.{key}"], atol=TOLERANCE, rtol=0, msg=lambda m: f"{key}: {m}")
+    # split over several files, q/k/v stay together: the same tensors
+    consolidate_hf(checkpoint, tmp_path / "hf_split", max_shard_size=20_000, progress=False)
+    assert len(list((tmp_path / "hf_split").glob("model-*.safetensors"))) > 1
+    HFGPT2().model.config.save_pretrained(tmp_path / "hf_split")
+    split = GPT2LMHeadModel.from_pretrained(tmp_path / "hf_split").state_dict()
+    assert all(torch.equal(split[key], value) for key, value in loaded.state_dict().items())
 
 
 @pytest.mark.parametrize("case", ["gpt-tp2-zero3-accumulate", "gpt-hybrid-zero2-accumulate"])

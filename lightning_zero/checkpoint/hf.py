@@ -44,6 +44,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_zero.autotuning.space import parse_bytes
@@ -134,8 +135,9 @@ def consolidate_hf(
     metadata = read_metadata(source)
     meta = read_meta(source, metadata)
     entries = _exported_entries(source, meta, _model_entries(source, metadata, meta, DTYPES[dtype]), strip_prefix)
-    shards = plan_shards([(entry.key, _output_bytes(entry)) for entry in entries], limit)
-    by_key = {entry.key: entry for entry in entries}
+    outputs = _outputs(entries)
+    shards = plan_shards([(output.key, _output_bytes(output)) for output in outputs], limit)
+    by_key = {output.key: output for output in outputs}
     created = not target.exists()
     target.mkdir(parents=True, exist_ok=True)
     try:
@@ -178,8 +180,30 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{number:05d}-of-{count:05d}.safetensors" for number in range(1, count + 1)]
 
 
-def _output_bytes(entry: _Entry) -> int:
-    return math.prod(entry.shape) * entry.dtype.itemsize
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    """One tensor of the export: ``key``, made of the checkpoint's ``parts`` (one, or, for a GPT-2
+    block converted by parallelize_hf_gpt2, its q, k and v: see [Note: tensor-parallel GPT-2])."""
+
+    key: str
+    parts: list[_Entry]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _outputs(entries: list[_Entry]) -> list[_Output]:
+    """GPT-2's own keys and layouts for blocks converted by parallelize_hf_gpt2 (the checkpoint
+    holds the converted model: q/k/v Linears, transposed projections), which from_pretrained needs;
+    every other entry as it is."""
+    from lightning_zero.parallel.plans import hf_gpt2_key_plan
+
+    by_key = {entry.key: entry for entry in entries}
+    return [_Output(key, [by_key[part] for part in parts], shape, by_key[parts[0]].dtype)
+            for key, parts, shape in hf_gpt2_key_plan({entry.key: entry.shape for entry in entries})]
+
+
+def _output_bytes(output: _Output) -> int:
+    return math.prod(output.shape) * output.dtype.itemsize
 
 
 def _config_file(path: Path) -> Path:
@@ -256,22 +280,28 @@ def _exported_entries(source: Path, meta: CheckpointMeta, model: dict[str, Any],
     return entries
 
 
-def _write(target: Path, source: Path, metadata: Metadata, shards: list[list[_Entry]], progress: bool,
+def _write(target: Path, source: Path, metadata: Metadata, shards: list[list[_Output]], progress: bool,
            config: Path | None) -> None:
     """Every shard under a temporary name first, then renamed into place, then the index: an
     interrupted export never leaves a directory that looks complete."""
     from safetensors.torch import save_file
 
+    from lightning_zero.parallel.plans import _gpt2_to_hf, gpt2_converted_prefixes
+
     names = shard_names(len(shards))
     token = secrets.token_hex(6)
     temporary = [target / f".{name}.{os.getpid()}.{token}.tmp" for name in names]
-    stream = _stream(source, metadata, [entry for shard in shards for entry in shard], progress, by_key=True)
+    parts = [part for shard in shards for output in shard for part in output.parts]
+    converted = gpt2_converted_prefixes(part.key for part in parts)
+    stream = _stream(source, metadata, parts, progress, by_key=True)
     freed = _FreedMemory()
     try:
         for shard, path in zip(shards, temporary):
-            tensors = dict(itertools.islice(stream, len(shard)))
+            read = dict(itertools.islice(stream, sum(len(output.parts) for output in shard)))
+            tensors = _gpt2_to_hf(read, converted) if converted else read
+            del read
             save_file(tensors, str(path), metadata={"format": "pt"})
-            nbytes = sum(_output_bytes(entry) for entry in shard)
+            nbytes = sum(_output_bytes(output) for output in shard)
             del tensors  # before the next shard is read: memory stays about one shard
             freed.written(nbytes)
         stream.close()
@@ -284,8 +314,8 @@ def _write(target: Path, source: Path, metadata: Metadata, shards: list[list[_En
                 path.unlink()
         raise
     if len(shards) > 1:
-        weight_map = {entry.key: name for shard, name in zip(shards, names) for entry in shard}
-        total = sum(_output_bytes(entry) for shard in shards for entry in shard)
+        weight_map = {output.key: name for shard, name in zip(shards, names) for output in shard}
+        total = sum(_output_bytes(output) for shard in shards for output in shard)
         _write_text(target / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2, sort_keys=True) + "\n")
     if config is not None:

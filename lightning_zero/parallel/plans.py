@@ -36,7 +36,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -457,7 +457,46 @@ def hf_gpt2_state_dict_to_hf(state_dict: Mapping[str, Tensor]) -> dict[str, Tens
                 " or torch.distributed.checkpoint.state_dict.get_model_state_dict(model,"
                 " options=StateDictOptions(full_state_dict=True))."
             )
-    prefixes = {match["prefix"] for key in state_dict if (match := _GPT2_CONVERTED.match(key))}
+    return _gpt2_to_hf(state_dict, gpt2_converted_prefixes(state_dict))
+
+
+def gpt2_converted_prefixes(keys: Iterable[str]) -> set[str]:
+    """The prefixes of the blocks :func:`parallelize_hf_gpt2` converted, found among ``keys``."""
+    return {match["prefix"] for key in keys if (match := _GPT2_CONVERTED.match(key))}
+
+
+def hf_gpt2_key_plan(shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[str, list[str], tuple[int, ...]]]:
+    """For a converted model's state-dict keys (and their whole shapes), in order: each of GPT-2's
+    own keys, the converted keys its tensor is made of, and its shape; what
+    :func:`hf_gpt2_state_dict_to_hf` computes, planned before any tensor is read (an export that
+    streams the checkpoint keeps each of these groups together). Unconverted keys map to themselves."""
+    prefixes = gpt2_converted_prefixes(shapes)
+    plan: list[tuple[str, list[str], tuple[int, ...]]] = []
+    for key, shape in shapes.items():
+        prefix, rest = _split_converted(key, prefixes)
+        if prefix is None:
+            plan.append((key, [key], shape))
+        elif rest in _GPT2_TRANSPOSED:
+            plan.append((key, [key], tuple(reversed(shape))))
+        elif (fused := _fused_qkv_key(rest)) is not None:
+            kind, part = fused
+            if part != "q":
+                continue
+            parts = [f"{prefix}attn.c_attn.{name}.{kind}" for name in _GPT2_QKV]
+            missing = [name for name in parts if name not in shapes]
+            if missing:
+                raise TensorParallelPlanError(
+                    f"{missing[0]!r} is missing while {parts[0]!r} is present; GPT-2's fused attn.c_attn needs all of"
+                    " q, k and v of every converted block.")
+            # Linear weights are [out, in]; Conv1D's fused weight is [in, 3 * out].
+            out = sum(shapes[name][0] for name in parts)
+            plan.append((f"{prefix}attn.c_attn.{kind}", parts, (shape[1], out) if kind == "weight" else (out,)))
+        else:
+            plan.append((key, [key], shape))
+    return plan
+
+
+def _gpt2_to_hf(state_dict: Mapping[str, Tensor], prefixes: set[str]) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
         prefix, rest = _split_converted(key, prefixes)
