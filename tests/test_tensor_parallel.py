@@ -169,7 +169,16 @@ class MetaGPT(TensorParallelGPT):
             self.initial = {name: p.detach().clone() for name, p in self.named_parameters()}
 
 
-MODELS = {"gpt": TensorParallelGPT, "hf_gpt2": HFGPT2, "gpt_meta": MetaGPT, "gpt_sp": SequenceParallelGPT,
+class ConvertedHFGPT2(HFGPT2):
+    """GPT-2 converted by parallelize_hf_gpt2 also where no tensor mesh splits it (tp_mesh=None)."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        split = mesh is not None and "tensor" in (mesh.mesh_dim_names or ()) and mesh["tensor"].size() > 1
+        parallelize_hf_gpt2(self.model, mesh["tensor"] if split else None)
+
+
+MODELS = {"gpt": TensorParallelGPT, "hf_gpt2": HFGPT2, "hf_gpt2_converted": ConvertedHFGPT2, "gpt_meta": MetaGPT, "gpt_sp": SequenceParallelGPT,
           "gpt_frozen": FrozenGPT}
 
 
@@ -282,6 +291,9 @@ def _all_cases(tmp: str) -> dict[str, Any]:
             saved = f"{tmp}/{name}-tp2-zero{stage}.ckpt" if (name, stage) == ("hf_gpt2", 3) else None
             results[f"{name}-tp2-zero{stage}"] = _run(name, ZeroConfig(stage=stage, parallel=tp2), data_size=2,
                                                       ckpt_save=saved)
+        if name == "hf_gpt2":  # its checkpoint resumes without tensor parallelism, the model converted alike
+            results["hf_gpt2-tp2-zero3-into-dp4-zero2"] = _run(
+                "hf_gpt2_converted", ZeroConfig(stage=2), data_size=4, ckpt_path=f"{tmp}/hf_gpt2-tp2-zero3.ckpt")
         results[f"{name}-tp2-zero2_offload"] = _run(
             name, ZeroConfig(stage=2, offload_optimizer=offload, parallel=tp2), data_size=2)
         results[f"{name}-tp2-zero3_offload"] = _run(
@@ -404,6 +416,15 @@ def test_tensor_parallel_matches_one_process(results: list[dict[str, Any]], refe
     _compare_weights(name, global_params(ranks, tensor=2), ref_weights)
     # the other data-parallel rank holds the same parts
     _compare_weights(name, global_params(ranks[2:], tensor=2), ref_weights)
+
+
+def test_a_tensor_parallel_gpt2_checkpoint_resumes_without_tensor_parallelism(
+    results: list[dict[str, Any]], references: dict[str, Any]
+) -> None:
+    # saved after STEPS steps at dp2 x tp2, resumed at dp4 with max_steps=STEPS: the saved weights
+    ranks = [rank["hf_gpt2-tp2-zero3-into-dp4-zero2"] for rank in results]
+    assert ranks[0]["dims"] is None or ranks[0]["dims"].tensor == 1
+    _compare_weights("hf_gpt2", global_params(ranks, tensor=1), references["hf_gpt2"][1])
 
 
 def test_a_tensor_parallel_gpt2_checkpoint_exports_to_hugging_face_in_gpt2s_own_layout(

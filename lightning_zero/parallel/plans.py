@@ -411,28 +411,34 @@ def _convert_gpt2_block(block: nn.Module, tp: int) -> None:
     attn.num_heads = attn.num_heads // tp
 
 
-def parallelize_hf_gpt2(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+def parallelize_hf_gpt2(model: nn.Module, tp_mesh: DeviceMesh | None) -> nn.Module:
     """Splits every block of a transformers ``GPT2LMHeadModel`` or ``GPT2Model`` over ``tp_mesh``.
 
     The blocks' Conv1D projections are first replaced by equivalent Linears, ``c_attn`` by a
     :class:`FusedQKV` (see [Note: tensor-parallel GPT-2], which also says how the state-dict keys
     change and how :func:`hf_gpt2_state_dict_to_hf` maps them back); then q, k, v and ``mlp.c_fc``
     are column-parallel and both ``c_proj`` row-parallel. ``wte``, ``wpe``, the norms and
-    ``lm_head`` stay replicated. Returns ``model``.
+    ``lm_head`` stay replicated. ``tp_mesh=None`` converts the blocks and splits nothing, for a run
+    without tensor parallelism (``self.device_mesh`` is None under plain ZeRO) that resumes a
+    checkpoint of a split one: its state dict has the same keys. Returns ``model``.
     """
     caller = "parallelize_hf_gpt2"
-    tp = _tp_size(tp_mesh, caller)
+    tp = 1 if tp_mesh is None else _tp_size(tp_mesh, caller)
     path, blocks = _find_blocks(
         model, ("transformer.h", "h"), caller, "a transformers GPT2LMHeadModel (`transformer.h`) or GPT2Model (`h`)"
     )
-    if _already_split(blocks, tp_mesh, _gpt2_block_plan):
+    if tp_mesh is None:
+        if all(isinstance(getattr(getattr(block, "attn", None), "c_attn", None), FusedQKV) for block in blocks):
+            return model  # converted by an earlier call (Lightning calls configure_model at every fit/test)
+    elif _already_split(blocks, tp_mesh, _gpt2_block_plan):
         return model
     _check_not_parallel(blocks, path, caller)
     for index, block in enumerate(blocks):
         _check_gpt2_block(block, f"{path}.{index}", tp, caller)
     for block in blocks:
         _convert_gpt2_block(block, tp)
-    _apply_per_block(blocks, tp_mesh, _gpt2_block_plan)
+    if tp_mesh is not None:
+        _apply_per_block(blocks, tp_mesh, _gpt2_block_plan)
     return model
 
 
