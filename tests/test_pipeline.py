@@ -538,6 +538,11 @@ def _two_rank_cases(tmp: str) -> dict[str, Any]:
     with launched_environment():
         trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=4))), 2)
         out["indivisible"] = _error(lambda: trainer.fit(module, train_dataloaders=train_loader(7)))
+    # 3 micro-batches asked of full batches of 4: refused, not run as 2 without a word
+    module = new_model()
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=3))), 2)
+        out["indivisible_full"] = _error(lambda: trainer.fit(module, train_dataloaders=train_loader(4)))
     # Short last batches: 22 samples in batches of 8 (the last one 6: 3 micro-batches of 2, not 4),
     # and a validation set of 10 (the last batch 2).
     module = new_model()
@@ -737,6 +742,9 @@ def test_bad_batches_fail_on_every_rank(two: list[dict[str, Any]]) -> None:
         assert "returned a loss that does not require grad" in rank["detached"]
     for rank in two:
         assert "microbatches=4 does not divide the training batch size 7" in rank["indivisible"]
+        assert "Use microbatches in [7]," in rank["indivisible"]  # 1 divides 7, but 1f1b needs one per stage
+        assert "microbatches=3 does not divide the training batch size 4" in rank["indivisible_full"]
+        assert "Use microbatches in [2, 4]," in rank["indivisible_full"]
         assert "tied weights" in rank["tied"] and "stage 0 and stage 1" in rank["tied"]
 
 

@@ -300,9 +300,12 @@ def split_batch(batch: Any, parts: int, size: int) -> list[Any]:
     return [batch] * parts
 
 
-def check_microbatches(batch_size: int, microbatches: int, where: str) -> None:
+def check_microbatches(batch_size: int, microbatches: int, where: str,
+                       accepts: Callable[[int], bool] = lambda count: True) -> None:
+    """Raises unless ``microbatches`` divides ``batch_size``, naming the counts that would
+    (those the schedule ``accepts``)."""
     if batch_size % microbatches:
-        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0 and accepts(d)]
         raise PipelineError(
             f"PipelineConfig.microbatches={microbatches} does not divide the {where} batch size {batch_size}:"
             f" micro-batches must be equal. Use microbatches in {divisors}, or a batch size that is a multiple of"
@@ -401,18 +404,28 @@ class PipelineRunner:
         self._built: dict[tuple[Any, ...], tuple[list[_TimedStage], Any]] = {}
         self._loss_fn: LossFn | None = None
         self._microbatch_size = 1
+        self._largest_batch: dict[bool, int] = {}  # by train/evaluation: the largest batch so far
 
     # ---------------------------------------------------------------- schedules
     def microbatches_for(self, batch_size: int, train: bool) -> int:
         """How many micro-batches a batch of ``batch_size`` runs as: the configured count, or for a
-        batch it does not divide (a short last batch) the largest smaller count that divides it
-        and that the schedule accepts. Every rank of a pipeline reads the same batch, so they
-        agree. A PipelineError names a batch no count fits."""
+        batch it does not divide that is shorter than one seen before (a short last batch) the
+        largest smaller count that divides it and that the schedule accepts. A full batch the
+        count does not divide is a PipelineError naming the counts that would (running every batch
+        with another count than the one configured would change the pipeline without a word).
+        Every rank of a pipeline reads the same batch, so they agree."""
         wanted = self.config.num_microbatches
+        where = "training" if train else "evaluation"
+        largest = self._largest_batch.get(train, 0)
+        self._largest_batch[train] = max(largest, batch_size)
+        if batch_size % wanted == 0 and self._accepts(wanted, train):
+            return wanted
+        if batch_size >= largest:
+            check_microbatches(batch_size, wanted, where, lambda count: self._accepts(count, train))
         for count in range(min(wanted, batch_size), 0, -1):
             if batch_size % count == 0 and self._accepts(count, train):
                 return count
-        check_microbatches(batch_size, wanted, "training" if train else "evaluation")
+        check_microbatches(batch_size, wanted, where)
         raise PipelineError(
             f"No micro-batch count up to {wanted} splits the {'training' if train else 'evaluation'} batch of"
             f" {batch_size} into equal parts that schedule {self.config.schedule!r} accepts (1f1b needs at least"
