@@ -18,6 +18,7 @@ A static ``loss_scale`` never changes; overflowing steps are still skipped.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -139,7 +140,16 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
+        """Restores the scaler's state; a static scale configured now (``loss_scale``) is kept over
+        the saved one: it is what this run asked for, and a static scale never moves again."""
+        saved = float(state["scale"])
+        if self.config.dynamic:
+            self.scale = saved
+        elif saved != self.scale:
+            warnings.warn(
+                f"The checkpoint's loss scale {saved:g} is not used: this run's scale is static"
+                f" (LossScaleConfig(loss_scale={self.scale:g})). Set loss_scale=None to continue scaling dynamically"
+                " from the saved scale.", stacklevel=2)
         self.hysteresis_left = int(state["hysteresis_left"])
         self.iteration = int(state["iteration"])
         self.last_overflow_iteration = int(state["last_overflow_iteration"])

@@ -59,6 +59,19 @@ def test_state_dict_round_trip() -> None:
     assert _trajectory(restored, [False] * 4) == _trajectory(scaler, [False] * 4)
 
 
+def test_a_static_scale_configured_at_resume_is_kept_over_the_saved_one() -> None:
+    dynamic = LossScaler(LossScaleConfig(initial_scale_power=10, hysteresis=1))
+    _trajectory(dynamic, [True, True, True])  # backed off to 128
+    static = LossScaler(LossScaleConfig(loss_scale=1024.0))
+    with pytest.warns(UserWarning, match=r"loss scale 128 is not used: this run's scale is static.*loss_scale=1024"):
+        static.load_state_dict(dynamic.state_dict())
+    assert static.scale == 1024 and static.skipped_steps == 3
+    # the other way, a dynamic run continues from the saved scale, static or not
+    resumed = LossScaler(LossScaleConfig(initial_scale_power=4))
+    resumed.load_state_dict(LossScaler(LossScaleConfig(loss_scale=64.0)).state_dict())
+    assert resumed.scale == 64
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
