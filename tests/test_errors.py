@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -92,6 +94,27 @@ def test_optimizer_that_cannot_be_sharded() -> None:
         check_shardable(Custom(params), ZeroConfig())
     check_shardable(Custom(params), ZeroConfig(allow_unknown_optimizer=True))
     check_shardable(torch.optim.AdamW(params), ZeroConfig())
+
+    class LARS(torch.optim.SGD):
+        """A whole-tensor trust ratio before SGD's step: silently per slice under ZeRO."""
+
+        def step(self, closure: Any = None) -> Any:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(p.norm() / (p.grad.norm() + 1e-9))
+            return super().step(closure)
+
+    class Tuned(torch.optim.AdamW):  # other defaults, torch's step
+        def __init__(self, params: list[nn.Parameter]) -> None:
+            super().__init__(params, lr=3e-4, betas=(0.9, 0.95))
+
+    lars = LARS(params, lr=0.1)
+    torch.optim.SGD(params, lr=0.1)  # torch has wrapped SGD.step and LARS.step in its profiling hook by now
+    with pytest.raises(ValueError, match=r"LARS overrides the step\(\) of torch.optim.SGD.*allow_unknown_optimizer=True"):
+        check_shardable(lars, ZeroConfig())
+    check_shardable(lars, ZeroConfig(allow_unknown_optimizer=True))
+    check_shardable(Tuned(params), ZeroConfig())
 
 
 def test_used_without_a_distributed_launch() -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -118,8 +119,20 @@ def check_shardable(optimizer: Optimizer, config: ZeroConfig) -> None:
                 " parameter's elements. Use an elementwise optimizer such as torch.optim.AdamW, or train"
                 " this model with DDP."
             )
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or config.allow_unknown_optimizer:
+    if config.allow_unknown_optimizer:
         return
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        base = next(cls for cls in type(optimizer).__mro__ if cls in ELEMENTWISE_OPTIMIZERS)
+        # torch wraps a class's step() in a profiling hook on first use (functools.wraps): compare
+        # what the wrappers wrap.
+        if inspect.unwrap(type(optimizer).step) is inspect.unwrap(base.step):
+            return
+        raise ValueError(
+            f"{type(optimizer).__module__}.{name} overrides the step() of torch.optim.{base.__name__}, so ZeRO cannot"
+            " tell whether its update is still elementwise: each rank steps only its 1/N slice of every parameter,"
+            " so anything computed over a whole tensor (a norm, as LARS and LAMB take) would be computed over the"
+            f" slice, silently. If {name}'s update is elementwise, set ZeroConfig(allow_unknown_optimizer=True)."
+        )
     raise ValueError(
         f"ZeRO does not know whether the optimizer {type(optimizer).__module__}.{name} can be sharded: each"
         " rank steps only its 1/N slice of every parameter, which is exact only when the update is elementwise."
