@@ -1038,8 +1038,8 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint.setdefault("pytorch-lightning_version", pl.__version__)
         if fitting:
             self._leave_lr_schedulers_to_swa(checkpoint)
-        if fitting and not has_optimizer_state:
-            self._start_training_state_afresh(checkpoint, path)
+        if fitting and (not has_optimizer_state or "lr_schedulers" not in checkpoint):
+            self._start_training_state_afresh(checkpoint, path, has_optimizer_state)
         return checkpoint
 
     def _state_in_pieces(self, checkpoint: dict[str, Any], pieces: list[ParamPiece], fitting: bool) -> dict[str, Any]:
@@ -1115,10 +1115,20 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in mine}
         return checkpoint
 
-    def _start_training_state_afresh(self, checkpoint: dict[str, Any], path: Path) -> None:
-        """A weights-only checkpoint resumes the weights; optimizers and LR schedulers keep the
-        state they have now (fresh), instead of Lightning's KeyError."""
+    def _start_training_state_afresh(self, checkpoint: dict[str, Any], path: Path, has_optimizer_state: bool) -> None:
+        """A weights-only checkpoint resumes the weights, one written by Fabric (``fabric.save``: no
+        LR scheduler or loop state) the weights and the optimizers; the rest keeps the state it has
+        now (fresh), instead of Lightning's KeyError, which blamed ``save_weights_only``."""
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if has_optimizer_state:
+            writer = "written by Fabric" if "lightning_zero_fabric" in checkpoint else "saved outside a Trainer"
+            rank_zero_only(log.warning)(
+                f"{path} holds no LR scheduler state ({writer}): the weights and the optimizer state are loaded, the"
+                " LR schedulers start fresh, and so do the loops (epoch and global_step) unless it holds theirs."
+            )
+            checkpoint["lr_schedulers"] = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs] \
+                if trainer is not None else []
+            return
         rank_zero_only(log.warning)(
             f"{path} holds no optimizer state (a weights-only checkpoint): the weights are loaded, the"
             " optimizers and LR schedulers start fresh."

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness import run_on_ranks
+from harness import launched_environment, run_on_ranks
 
 WORLD = 2
 STEPS = 4
@@ -73,7 +73,7 @@ def _cases(tmp: str) -> dict[str, Any]:
 
     from lightning_zero import ZeroStrategy, consolidate
     from lightning_zero.zero.consistency import RanksDisagreeError
-    from models import TinyGPT, fit
+    from models import TinyGPT, fit, loader
 
     out: dict[str, Any] = {}
     for name in ("ddp", "zero1", "zero2", "zero3", "zero3_offload"):
@@ -138,6 +138,21 @@ def _cases(tmp: str) -> dict[str, Any]:
     remainder = fabric.load(trainer_path, {"model": model, "optimizer": optimizer})
     out["trainer loaded"] = _whole(fabric, module)
     out["trainer remainder"] = sorted(remainder)
+
+    # a checkpoint Fabric wrote resumes a Trainer fit: weights and optimizer state, the LR scheduler
+    # and the loops afresh (it has neither; Lightning raised a KeyError blaming save_weights_only)
+    class StartWeights(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            self.weights = {name: p.detach().clone() for name, p in module.named_parameters()}
+            self.steps = [float(s["step"]) for s in trainer.optimizers[0].state.values()]
+
+    start = StartWeights()
+    with launched_environment():
+        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=ZeroStrategy(stage=2), max_steps=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[start])
+        trainer.fit(TinyGPT(), train_dataloaders=loader(), ckpt_path=str(path))
+    out["fabric into trainer"] = {"weights": start.weights, "steps": start.steps, "global_step": trainer.global_step}
 
     # bf16-mixed: bf16 parameters over fp32 masters, training as fp32 does (to bf16's precision)
     fabric = _fabric("zero2", precision="bf16-mixed")
@@ -313,3 +328,12 @@ def test_fabric_rank_that_skips_a_step_raises_at_the_next_collective(runs: list[
         assert message is not None and "not stepped yet (by rank: [0, 1])" in message
         assert "reduce_boolean_decision" in message
         assert out["agreed all_reduce"] == 1.0 and out["agreed broadcast"] == 5
+
+
+def test_a_fabric_checkpoint_resumes_a_trainer_fit(runs: list[dict[str, Any]]) -> None:
+    for out in runs:
+        resumed = out["fabric into trainer"]
+        for key, value in out["saved"].items():
+            torch.testing.assert_close(resumed["weights"][key], value, rtol=0, atol=0, msg=key)
+        assert resumed["steps"] and set(resumed["steps"]) == {2.0}  # Adam's state after Fabric's 2 steps
+        assert resumed["global_step"] == 1  # the loops start afresh: one step of this fit
