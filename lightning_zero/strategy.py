@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import fields, replace
+from functools import partial
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +44,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
+from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -402,6 +404,10 @@ class ZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         assert self.model is not None
         assert self.lightning_module is not None
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            # Trainer(sync_batchnorm=True): before the engine takes the parameters, as DDP converts
+            # before wrapping; reverted at teardown.
+            self.model = self._layer_sync.apply(self.model)
         # Before the first collective that depends on the model (see [Note: ranks that disagree]).
         # A module an earlier pipelined run split holds one rank's layers: ranks differ by design.
         if not is_split(self.lightning_module):
@@ -438,8 +444,13 @@ class ZeroStrategy(ParallelStrategy):
         self._localize_tensor_parallel(module)
         self._setup_pipeline(module)
         on_meta = self.config.stage == 3 and any(p.is_meta for p in module.parameters())
+        unfilled: dict[Tensor, tuple[str, int]] = {}
         if on_meta:
-            _materialize_meta_buffers(module, self.root_device)
+            unfilled = _materialize_meta_buffers(module, self.root_device)
+            for name, submodule in module.named_modules():  # before any unit: an error leaves nothing half-built
+                _check_resettable(submodule, name)
+            self._take_whole_tensors_beside_meta(module)
+            unfilled = {buffer: (name, buffer._version) for buffer, (name, _) in unfilled.items()}  # after the sync
         else:
             self.model_to_device()
             if self._parallel is not None:
@@ -451,14 +462,32 @@ class ZeroStrategy(ParallelStrategy):
             elif self.world_size > 1:
                 # Every rank must start from rank 0's weights, as with DDP.
                 _sync_module_states(module)
+        init = partial(_reset_parameters, unfilled=unfilled) if on_meta else None
         self._engine = make_engine(module, self.engine_collectives, self.config, precision.param_dtype,
-                                   self.root_device, init=_reset_parameters if on_meta else None)
+                                   self.root_device, init=init)
         if self._tensor_parallel is not None:
             self._tensor_parallel.install_hooks()
         if self._engine.stage_shards_params:
             self._rebuild_weight_averages()
             if self.engine_collectives.world_size > 1:
                 self._unsync_generation = sync_generation(module)  # see [Note: generation at stage 3]
+
+    def _take_whole_tensors_beside_meta(self, module: Module) -> None:
+        """Parameters and buffers built whole beside a configure_model part on the meta device (a
+        backbone built in __init__) go to the device and take rank 0's values, as the whole model
+        does when nothing is on the meta device; the engine keeps them (see materialize_and_shard)."""
+        meta = frozenset(p for p in module.parameters() if p.is_meta)
+        with torch.no_grad():
+            for param in module.parameters():
+                if not param.is_meta and param.device != self.root_device:
+                    param.data = param.data.to(self.root_device)
+            for submodule in module.modules():
+                for name, buffer in submodule._buffers.items():
+                    if buffer is not None and buffer.device != self.root_device:
+                        submodule._buffers[name] = buffer.to(self.root_device)
+        if self.world_size > 1:
+            group = self._parallel.data_group if self._parallel is not None else torch.distributed.group.WORLD
+            sync_module_states(module, group, skip=meta)
 
     def _localize_tensor_parallel(self, module: Module) -> None:
         """The DTensor parameters of a tensor-parallel plan become local parameters the engine
@@ -488,10 +517,10 @@ class ZeroStrategy(ParallelStrategy):
         _refuse_weight_averaging(module, f"tensor parallelism (ZeroConfig.parallel.tensor={tensor})",
                                  "hold one tensor rank's part", "set tensor=1")
         if any(p.is_meta for p in module.parameters()):
-            for submodule in module.modules():  # before allocating anything
-                _check_resettable(submodule)
-            _materialize_meta_buffers(module, self.root_device)
-            materialize_tensor_parallel(module, self.root_device, _reset_parameters)
+            for name, submodule in module.named_modules():  # before allocating anything
+                _check_resettable(submodule, name)
+            unfilled = _materialize_meta_buffers(module, self.root_device)
+            materialize_tensor_parallel(module, self.root_device, partial(_reset_parameters, unfilled=unfilled))
         self._tensor_parallel = TensorParallelParams(module, self._parallel.tensor_mesh)
         # The local parts must agree too (a rank that applied another plan would shard other shapes).
         if not split_by_pipeline:
@@ -1212,6 +1241,10 @@ class ZeroStrategy(ParallelStrategy):
             self._engine.gather_to_cpu(from_master=restore_fp32)
         if restore_fp32 and self.lightning_module is not None:
             cast_norm_statistics(self.lightning_module, torch.float32)
+        module = self.lightning_module
+        if (self._layer_sync is not None and module is not None and module._trainer is not None
+                and module._trainer.state.fn == TrainerFn.FITTING):
+            self.model = self._layer_sync.revert(self.model)
         GLOO_HELD.settle()  # see [Note: tensors outlive the gloo worker]
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
@@ -1382,8 +1415,12 @@ def _has_meta_tensors(module: Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
-def _materialize_meta_buffers(module: Module, device: torch.device) -> None:
-    """Allocates buffers left on the meta device; ``reset_parameters`` is expected to fill them."""
+def _materialize_meta_buffers(module: Module, device: torch.device) -> dict[Tensor, tuple[str, int]]:
+    """Allocates buffers left on the meta device; ``reset_parameters`` is expected to fill them.
+    Returns each allocated buffer with its name and version counter, which a write bumps, so that
+    :func:`_reset_parameters` can tell one its module's reset_parameters() left as it was allocated
+    (uninitialized memory)."""
+    allocated: dict[Tensor, tuple[str, int]] = {}
     for prefix, submodule in module.named_modules():
         for name, buffer in list(submodule._buffers.items()):
             if buffer is not None and buffer.is_meta:
@@ -1395,7 +1432,9 @@ def _materialize_meta_buffers(module: Module, device: torch.device) -> None:
                         " uninitialized. Create such buffers in __init__ (outside configure_model), or give the"
                         " module a parameter and a reset_parameters() that fills the buffer."
                     )
-                submodule._buffers[name] = torch.empty_like(buffer, device=device)
+                submodule._buffers[name] = fresh = torch.empty_like(buffer, device=device)
+                allocated[fresh] = (f"{prefix + '.' if prefix else ''}{name}", fresh._version)
+    return allocated
 
 
 def _check_parallel_combination(config: ZeroConfig, state_dict_type: str, collectives: object) -> None:
@@ -1423,15 +1462,39 @@ def _check_parallel_combination(config: ZeroConfig, state_dict_type: str, collec
         )
 
 
-def _reset_parameters(module: Module) -> None:
+def _reset_parameters(module: Module, unfilled: Mapping[Tensor, tuple[str, int]] | None = None) -> None:
+    """Initializes a module built on the meta device once its parameters are allocated; a buffer
+    allocated for it (``unfilled``) that its reset_parameters() did not write is an error, not the
+    uninitialized memory it holds."""
     _check_resettable(module)
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
+    for name, buffer in module._buffers.items():
+        if unfilled and buffer is not None and buffer in unfilled and buffer._version == unfilled[buffer][1]:
+            raise ValueError(
+                f"Buffer '{unfilled[buffer][0]}' of {type(module).__name__} was created on the meta device"
+                " (configure_model under ZeRO-3), where the value __init__ gave it does not exist, and"
+                f" {type(module).__name__}.reset_parameters() did not fill it, so it would hold uninitialized memory."
+                " Fill it in reset_parameters() (e.g. self.mask.copy_(...)), or build the model in __init__"
+                " (outside configure_model)."
+            )
 
 
-def _check_resettable(module: Module) -> None:
-    if not callable(getattr(module, "reset_parameters", None)) and any(True for _ in module.parameters(recurse=False)):
+def _check_resettable(module: Module, name: str = "") -> None:
+    """Whether a module built on the meta device can be initialized by its reset_parameters();
+    modules built whole beside it keep their values and need none."""
+    if parametrize.is_parametrized(module) and any(p.is_meta for p in module.parameters()):
+        names = ", ".join(sorted(module.parametrizations.keys()))  # type: ignore[union-attr]
+        label = f"'{name}' ({type(module).__name__})" if name else type(module).__name__
+        raise ValueError(
+            f"{label} is parametrized ({names}: torch.nn.utils.parametrize, e.g. weight_norm or"
+            " spectral_norm) and was built on the meta device (configure_model under ZeRO-3), where each module is"
+            " initialized by its own reset_parameters(); a parametrized weight is computed from parameters of"
+            f" another module (its .parametrizations), which that cannot initialize. Build {label} in __init__"
+            " (outside configure_model): ZeRO-3 shards a model built there as well."
+        )
+    if not callable(getattr(module, "reset_parameters", None)) and any(p.is_meta for p in module.parameters(recurse=False)):
         raise ValueError(
             f"{type(module).__name__} was built on the meta device (configure_model under ZeRO-3) but has no"
             " reset_parameters() to initialize its parameters once they are allocated. Define"

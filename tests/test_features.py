@@ -121,8 +121,37 @@ def _unused_parameter() -> dict[str, Any]:
             "others_changed": all(not torch.equal(before[k], after[k]) for k in before if k.startswith("head."))}
 
 
+class WithBatchNorm(TinyGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(32)
+        self.bn_types: list[str] = []
+
+    def on_train_start(self) -> None:
+        self.bn_types.append(type(self.bn).__name__)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.block(self.embed(tokens))
+        return self.head(self.norm(self.bn(hidden.transpose(1, 2)).transpose(1, 2)))
+
+
+def _sync_batchnorm(strategy: Any) -> dict[str, Any]:
+    """Trainer(sync_batchnorm=True) converts BatchNorm as DDP does (it was left alone, the running
+    statistics then differing between ranks); torch's SyncBatchNorm needs a GPU in training, so on
+    the CPU both refuse it, and the layer is reverted at teardown."""
+    module = WithBatchNorm()
+    try:
+        fit(module, strategy, WORLD, steps=1, sync_batchnorm=True)
+        error = "no error"
+    except Exception as caught:  # noqa: BLE001 - compared with DDP's
+        error = f"{type(caught).__name__}: {caught}"
+    return {"error": error, "types": module.bn_types + [type(module.bn).__name__]}
+
+
 def _all_cases(directory: str) -> dict[str, Any]:
     return {
+        "syncbn_ddp": _sync_batchnorm("ddp"),
+        **{f"syncbn_zero{stage}": _sync_batchnorm(ZeroStrategy(stage=stage)) for stage in (1, 2, 3)},
         "gan_ddp": _gan("ddp_find_unused_parameters_true"),
         "gan_zero1": _gan(ZeroStrategy(stage=1)),
         "gan_zero2": _gan(ZeroStrategy(config=ZeroConfig(stage=2, reduce_bucket_size=100))),
@@ -181,3 +210,13 @@ def test_validate_predict_and_summary(results: list[dict[str, Any]]) -> None:
 def test_parameter_without_gradient_is_left_unchanged(results: list[dict[str, Any]]) -> None:
     for per_rank in results:
         assert per_rank["unused"] == {"unused_unchanged": True, "others_changed": True}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sync_batchnorm_converts_like_ddp(results: list[dict[str, Any]], stage: int) -> None:
+    for per_rank in results:
+        ddp, zero = per_rank["syncbn_ddp"], per_rank[f"syncbn_zero{stage}"]
+        # DDP refuses it when wrapping, torch's SyncBatchNorm at the first forward: both want a GPU
+        assert all("SyncBatchNorm" in run["error"] and "GPU" in run["error"] for run in (ddp, zero))
+        # trained as SyncBatchNorm, handed back as Lightning's revert makes it (DDP failed before training)
+        assert zero["types"] == ["SyncBatchNorm", "_BatchNormXd"] and ddp["types"] == ["_BatchNormXd"]

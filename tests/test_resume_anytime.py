@@ -194,6 +194,58 @@ class MetaGPT(TinyGPT):
         self.extra = nn.Linear(32, 32)
 
 
+class WeightNormGPT(TinyGPT):
+    """weight_norm on a layer built in configure_model: its weight is computed from parameters of
+    another module; with small units, initializing it read pieces already cut (a heap corruption)."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "extra"):
+            self.extra = nn.utils.parametrizations.weight_norm(nn.Linear(32, 32))
+
+
+class Masked(nn.Module):
+    """A parameter with its reset_parameters(), and a buffer only __init__ computes."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+        self.register_buffer("mask", (torch.arange(width) % 2).float())
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.scale)
+
+
+class MaskedGPT(TinyGPT):
+    def configure_model(self) -> None:
+        if not hasattr(self, "masked"):
+            self.masked = Masked(32)
+
+
+class BackboneAndMetaHead(TinyGPT):
+    """A backbone built whole in __init__ (a pretrained one, say: rank-dependent values here) and a
+    layer built in configure_model, on the meta device at stage 3."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(100 + torch.distributed.get_rank())
+        super().__init__()
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "extra"):
+            self.extra = nn.Linear(32, 32)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # what setup made of the weights stays
+
+
+def _whole_beside_meta() -> dict[str, Any]:
+    """The backbone's weights were re-initialized by reset_parameters (or refused for a module
+    without one, MultiheadAttention); they are kept now, rank 0's on every rank as under DDP."""
+    module = BackboneAndMetaHead()
+    before = params_of(module)
+    fit(module, zero(3, min_unit_numel=500), WORLD, steps=1)
+    return {"before": before, "after": params_of(module)}
+
+
 class LBFGSGPT(TinyGPT):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.LBFGS(self.parameters())
@@ -207,6 +259,8 @@ def _setup_errors() -> dict[str, list[str]]:
         ("unknown_unit_class", MetaGPT(), 3, {"unit_modules": "NoSuchBlock"}),
         ("refused_optimizer", LBFGSGPT(), 3, {}),
         ("refused_optimizer_zero2", LBFGSGPT(), 2, {}),
+        ("weight_norm_in_configure_model", WeightNormGPT(), 3, {"min_unit_numel": 100}),
+        ("buffer_from_init_in_configure_model", MaskedGPT(), 3, {"min_unit_numel": 100}),
     ):
         try:
             fit(module, zero(stage, **config), WORLD, steps=2)
@@ -228,6 +282,7 @@ def _all(directory: str) -> dict[str, Any]:
         "scheduler": _scheduler_warnings(),
         "prefetch": _prefetch_bytes_zero(),
         "setup_errors": _setup_errors(),
+        "whole_beside_meta": _whole_beside_meta(),
     }
 
 
@@ -301,6 +356,11 @@ def test_prefetch_bytes_zero_prefetches_nothing(results: list[dict[str, Any]]) -
                                " of that class"),
         ("refused_optimizer", "ValueError: ZeRO cannot shard the optimizer LBFGS"),
         ("refused_optimizer_zero2", "ValueError: ZeRO cannot shard the optimizer LBFGS"),
+        ("weight_norm_in_configure_model", "ValueError: 'extra' (ParametrizedLinear) is parametrized (weight:"
+                                           " torch.nn.utils.parametrize"),
+        ("buffer_from_init_in_configure_model", "ValueError: Buffer 'masked.mask' of Masked was created on the meta"
+                                                " device (configure_model under ZeRO-3), where the value __init__ gave"
+                                                " it does not exist, and Masked.reset_parameters() did not fill it"),
     ],
 )
 def test_a_setup_error_is_the_last_thing_the_user_sees(results: list[dict[str, Any]], case: str, message: str) -> None:
@@ -308,3 +368,14 @@ def test_a_setup_error_is_the_last_thing_the_user_sees(results: list[dict[str, A
         chain = rank["setup_errors"][case]
         assert len(chain) == 1, chain  # nothing raised while handling it (teardown)
         assert chain[0].startswith(message), chain
+
+
+def test_a_backbone_built_whole_beside_a_meta_head_keeps_rank_0s_weights_at_stage_3(results: list[dict[str, Any]]) -> None:
+    rank0 = results[0]["whole_beside_meta"]["before"]
+    for rank in results:
+        after = rank["whole_beside_meta"]["after"]
+        for name, value in rank0.items():
+            assert torch.equal(after[name], value), name
+        extra = after["extra.weight"]
+        assert torch.isfinite(extra).all() and 0.01 < float(extra.std()) < 1  # reset_parameters ran on it
+    assert not torch.equal(results[1]["whole_beside_meta"]["before"]["head.weight"], rank0["head.weight"])

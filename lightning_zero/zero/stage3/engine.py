@@ -64,7 +64,7 @@ class Zero3Engine(Zero3Hooks):
         message = small_units_message(self.units, str(getattr(collectives, "backend", "")), config)
         if message is not None and getattr(collectives, "rank", 0) == 0:  # the same units on every rank: one warning
             warnings.warn(message, SmallUnitsWarning, stacklevel=2)
-        replace_meta_params(module, self.units)
+        self._from_meta = replace_meta_params(module, self.units)  # what materialize_and_shard initializes
         self.sharded_params: dict[nn.Parameter, ShardedParam] = {sp.param: sp for unit in self.units for sp in unit.params}
         self.schedule = ReduceSchedule([], collectives)  # its launch order is set by install_hooks
         self.peak_param_bytes = 0
@@ -135,7 +135,9 @@ class Zero3Engine(Zero3Hooks):
         """For parameters on the meta device: modules are initialized one at a time by ``init``
         (in registration order, as ``module.apply`` would), with only the units owning that module's
         parameters allocated; a unit is cut down to this rank's pieces as soon as all its modules
-        are done. The full model never exists on any rank."""
+        are done. The full model never exists on any rank. Modules built whole beside them (in
+        __init__, e.g. a pretrained backbone under a head built in configure_model) keep their
+        values: their parameters are copied into the unit, not initialized again."""
         modules = [m for m in self.module.modules() if any(True for _ in m.parameters(recurse=False))]
         pending: dict[ShardedUnit, set[nn.Module]] = {unit: set() for unit in self.units}
         for submodule in modules:
@@ -146,11 +148,16 @@ class Zero3Engine(Zero3Hooks):
             needed = list(dict.fromkeys(self.sharded_params[p].unit for p in submodule.parameters(recurse=False)))
             for unit in needed:
                 if unit not in touched:
+                    whole = [(sp, sp.param.data) for sp in unit.params if sp.param not in self._from_meta]
                     unit.allocate()
+                    with torch.no_grad():
+                        for sp, value in whole:
+                            unit.view_of(sp).copy_(value)
                     touched.add(unit)
                 else:
                     self._gather(unit, order=None)  # already cut: a tied weight written again
-            init(submodule)
+            if any(p in self._from_meta for p in submodule.parameters(recurse=False)):
+                init(submodule)
             for unit in needed:
                 pending[unit].discard(submodule)
                 if not pending[unit]:

@@ -131,15 +131,17 @@ def small_units_message(units: Sequence[ShardedUnit], backend: str, config: Zero
     )
 
 
-def replace_meta_params(module: nn.Module, units: Sequence[ShardedUnit]) -> bool:
+def replace_meta_params(module: nn.Module, units: Sequence[ShardedUnit]) -> set[nn.Parameter]:
     """Meta parameters cannot take real data through ``.data``; each is replaced (in every
     module that registers it, so ties survive) by a parameter viewing its unit's full buffer.
     Only possible before an optimizer holds them, which is when the strategy builds the engine.
-    Returns whether any parameter was replaced."""
+    Returns the new parameters (those that still need initializing)."""
     replaced: dict[nn.Parameter, nn.Parameter] = {}
     for unit in units:
         if not any(sp.param.is_meta for sp in unit.params):
             continue
+        # Parameters built whole beside them keep their values (materialize_and_shard copies them in).
+        whole = [(sp, sp.param.data) for sp in unit.params if not sp.param.is_meta]
         unit.allocate()  # views can only be cut from an allocated buffer; freed right after
         for sp in unit.params:
             if sp.param.is_meta:
@@ -147,11 +149,13 @@ def replace_meta_params(module: nn.Module, units: Sequence[ShardedUnit]) -> bool
                 replaced[sp.param] = new
                 sp.param = new
         unit.free()
+        for sp, value in whole:
+            sp.param.data = value
     for submodule in module.modules():
         for name, param in list(submodule._parameters.items()):
             if param is not None and param in replaced:
                 submodule._parameters[name] = replaced[param]
-    return bool(replaced)
+    return set(replaced.values())
 
 
 def _unit_name(base: str, dtype: torch.dtype, first: torch.dtype | None) -> str:
