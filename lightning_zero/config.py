@@ -270,7 +270,7 @@ class ZeroConfig:
     reduce_every_micro_step: bool = False
     reduce_dtype: str = "fp32"
     allow_unknown_optimizer: bool = False
-    unit_modules: tuple[str, ...] = ()
+    unit_modules: tuple[str, ...] | str = ()  # one name as a string: made a tuple (in YAML too)
     min_unit_numel: int = 1_000_000
     param_persistence_threshold: int = 0
     prefetch_units: int = 1

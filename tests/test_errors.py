@@ -152,6 +152,10 @@ def test_lightning_cli_yaml_class_path() -> None:
     )
     assert isinstance(cli.trainer.strategy, ZeroStrategy)
     assert cli.trainer.strategy.config == ZeroConfig(stage=1, reduce_bucket_size=1234, reduce_every_micro_step=True)
+    # one unit class as a string, as in Python (jsonargparse refused it: "Expected a <class 'tuple'>")
+    strategy["init_args"] = {"config": {"stage": 3, "unit_modules": "TransformerEncoderLayer"}}
+    cli = LightningCLI(TinyGPT, run=False, args={"trainer": {"strategy": strategy, "accelerator": "cpu", "logger": False}})
+    assert cli.trainer.strategy.config.unit_modules == ("TransformerEncoderLayer",)
 
 
 def test_lightning_cli_rejects_a_bad_stage() -> None:
