@@ -1470,7 +1470,7 @@ def _reset_parameters(module: Module, unfilled: Mapping[Tensor, tuple[str, int]]
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
-    for name, buffer in module._buffers.items():
+    for buffer in module._buffers.values():
         if unfilled and buffer is not None and buffer in unfilled and buffer._version == unfilled[buffer][1]:
             raise ValueError(
                 f"Buffer '{unfilled[buffer][0]}' of {type(module).__name__} was created on the meta device"
