@@ -44,13 +44,18 @@ class _Net(nn.Module):
         return out + self.extra(x) if use_extra else out
 
 
-def _engine_run(stage: int, agree: bool, scaled: bool) -> dict[str, Any]:
-    """Four steps of _Net; with ``agree``, each step is preceded by the strategy's agreement."""
+def _engine_run(stage: int, agree: bool, scaled: bool, wrapped: bool = False) -> dict[str, Any]:
+    """Four steps of _Net; with ``agree``, each step is preceded by the strategy's agreement; with
+    ``wrapped``, zero_grad is called through Lightning's optimizer wrapper, as manual optimization
+    does (see [Note: optimizer wrappers])."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
     model = _Net()
     counting = CountingCollectives(Collectives())
     engine = make_engine(model, counting, ZeroConfig(stage=stage, reduce_bucket_size=64), None, torch.device("cpu"))
     optimizer = engine.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1),
                                       loss_scaler=LossScaler() if scaled else None)
+    zeroing = LightningOptimizer(optimizer) if wrapped else optimizer
     generator = torch.Generator().manual_seed(dist.get_rank())
     flag_exchanges, extra_after = [], []
     for users in USE_EXTRA:
@@ -62,7 +67,7 @@ def _engine_run(stage: int, agree: bool, scaled: bool) -> dict[str, Any]:
         optimizer.step()
         flag_exchanges.append(sum(call.op == "all_reduce" and call.numel == optimizer.layout.num_trainable + 1
                                   for call in counting.calls))
-        optimizer.zero_grad()
+        zeroing.zero_grad()
         with engine.gathered(writeback=False):
             extra_after.append([p.detach().clone() for p in model.extra.parameters()])
     with engine.gathered(writeback=False):
@@ -85,7 +90,8 @@ def _trainer_run() -> dict[str, Any]:
 def _cases() -> dict[str, Any]:
     engine = {(stage, agree, scaled): _engine_run(stage, agree, scaled)
               for stage in STAGES for agree in (True, False) for scaled in (False, True)}
-    return {"engine": engine, "trainer": _trainer_run()}
+    wrapped = {stage: _engine_run(stage, agree=True, scaled=False, wrapped=True) for stage in STAGES}
+    return {"engine": engine, "wrapped": wrapped, "trainer": _trainer_run()}
 
 
 _RUNS: list[dict[str, Any]] = []
@@ -137,3 +143,13 @@ def test_trainer_steps_exchange_no_flags_when_every_parameter_got_a_gradient(run
     for run in runs:
         assert run["trainer"]["reduce_scatters"] > 0
         assert run["trainer"]["flag_exchanges"] == 0
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_grad_through_lightnings_optimizer_wrapper_resets_the_optimizer(runs: list[dict[str, Any]], stage: int) -> None:
+    # Through the wrapper, zero_grad reset the wrapper's copy of the flags: the unused layer moved
+    # (weight decay) in the step where no rank used it, and later steps differed.
+    for run in runs:
+        wrapped, plain = run["wrapped"][stage], run["engine"][(stage, True, False)]
+        assert all(torch.equal(a, b) for a, b in zip(wrapped["params"], plain["params"]))
+        assert all(torch.equal(a, b) for a, b in zip(wrapped["extra_after"][1], wrapped["extra_after"][0]))

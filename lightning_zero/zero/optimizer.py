@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,31 @@ def check_shardable(optimizer: Optimizer, config: ZeroConfig) -> None:
         f" Known elementwise optimizers: {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}. If {name}'s"
         " update is elementwise, set ZeroConfig(allow_unknown_optimizer=True)."
     )
+
+
+# [Note: optimizer wrappers]
+# Lightning's LightningOptimizer and Fabric's _FabricOptimizer wrap the optimizer in an object whose
+# class derives from the optimizer's own (so that isinstance checks pass) and that forwards unknown
+# attributes to it. A method they do not override (zero_grad, clip_grad_norm_, state_dict, ...)
+# therefore runs with the wrapper as ``self``: what it assigns lands on the wrapper, where the
+# optimizer that steps never sees it and later reads through the wrapper see the stale copy (a
+# zero_grad that left the "had a gradient" flags and a clip factor in place: parameters stepped
+# without a gradient, a NaN clip factor for good). Those methods run on the wrapped optimizer.
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _on_the_optimizer(method: _Method) -> _Method:
+    """Runs ``method`` on the ShardedOptimizer a Lightning or Fabric wrapper holds (see [Note:
+    optimizer wrappers])."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = self.__dict__.get("_optimizer")
+        if isinstance(inner, ShardedOptimizer) and inner is not self:
+            return getattr(inner, method.__name__)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class ShardLayout(Protocol):
@@ -617,6 +643,7 @@ class ShardedOptimizer(Optimizer):
             for group, params in zip(self.param_groups, before):
                 group["params"] = params
 
+    @_on_the_optimizer
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops every gradient: local buckets, reductions in flight and the master-gradient shards."""
         with torch.no_grad():
@@ -627,6 +654,7 @@ class ShardedOptimizer(Optimizer):
         self._grad_coefficient = None
 
     # ------------------------------------------------------------------ clipping
+    @_on_the_optimizer
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Scales the gradients so their global norm over all ranks is at most ``max_norm``.
@@ -698,6 +726,7 @@ class ShardedOptimizer(Optimizer):
         coefficient = self._grad_coefficient_now()
         return norm * (coefficient.abs() if isinstance(coefficient, Tensor) else abs(coefficient))
 
+    @_on_the_optimizer
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamps the unscaled gradients to [-clip_value, clip_value]."""
@@ -713,6 +742,7 @@ class ShardedOptimizer(Optimizer):
     # (consolidate_state_dict, the protocol of torch's ZeroRedundancyOptimizer that Lightning
     # calls); only the destination rank keeps the full tensors, one tile (a bucket's chunk, a
     # unit's shard) at a time: one all-gather per tile and per-element key.
+    @_on_the_optimizer
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The consolidated full state, on the rank that consolidate_state_dict() gathered it to."""
         if self._consolidated is None:
@@ -723,6 +753,7 @@ class ShardedOptimizer(Optimizer):
         consolidated, self._consolidated = self._consolidated, None
         return consolidated
 
+    @_on_the_optimizer
     @torch.no_grad()
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the full optimizer state onto rank ``to`` (collective: every rank must call it)."""
@@ -762,6 +793,7 @@ class ShardedOptimizer(Optimizer):
                         entry[key] = value.clone() if isinstance(value, Tensor) else value
         self._consolidated = {"state": state, "param_groups": self._indexed_param_groups(index_of)} if keep else None
 
+    @_on_the_optimizer
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a full-format state (from any world size, or from plain torch.optim) into this rank's pieces."""
