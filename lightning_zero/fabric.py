@@ -50,7 +50,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint.full import load_full_checkpoint
+from lightning_zero.checkpoint.full import load_full_checkpoint, load_module_state
 from lightning_zero.checkpoint.sharded import is_sharded_checkpoint, resolve_checkpoint_path
 from lightning_zero.checkpoint.state import load_checkpoint as load_sharded_checkpoint
 from lightning_zero.checkpoint.state import save_checkpoint as save_sharded_checkpoint
@@ -471,6 +471,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         engine = self._require_engine("load_checkpoint")
         source = resolve_checkpoint_path(path)
         sharded = is_sharded_checkpoint(source) or source.is_dir()
+        raw_module = isinstance(state, Module)
         if isinstance(state, Module):  # fabric.load_raw(path, model)
             state = {"model": state}
         if isinstance(state, Optimizer) or not state:
@@ -486,6 +487,9 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                 lightning = load_sharded_checkpoint(source, self._module, optimizers or None,  # type: ignore[arg-type]
                                                     engine, strict=strict)
                 lightning.pop(_FABRIC_KEYS, None)
+            elif raw_module:  # the file is the module's state dict, as under Fabric's own strategies
+                engine.load_full_state_dict(dict(load_module_state(source)), strict=strict)
+                lightning = {}
             else:
                 lightning = load_full_checkpoint(source, model_key)
                 engine.load_full_state_dict(dict(lightning.pop(model_key)), strict=strict)

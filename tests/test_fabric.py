@@ -125,6 +125,17 @@ def _cases(tmp: str) -> dict[str, Any]:
     module, model, optimizer, scheduler = _setup(fabric, seed=3)
     fabric.load(ddp_path, {"model": model, "optimizer": optimizer})
     out["ddp loaded"] = _whole(fabric, module)
+    # fabric.load_raw(path, model) of a bare state dict (torch.save(model.state_dict())), as Fabric's own
+    # strategies take it (it was refused: "has no 'model'")
+    torch.manual_seed(7)
+    plain = TinyGPT()
+    raw_path = Path(tmp) / "raw_state.pt"
+    if fabric.global_rank == 0:
+        torch.save(plain.state_dict(), raw_path)
+    fabric.barrier()
+    fabric.load_raw(raw_path, model)
+    out["raw loaded"] = _whole(fabric, module)
+    out["raw saved"] = {name: p.detach().clone() for name, p in plain.named_parameters()}
 
     # a checkpoint the Trainer wrote loads into Fabric
     pl.seed_everything(4)
@@ -138,6 +149,27 @@ def _cases(tmp: str) -> dict[str, Any]:
     remainder = fabric.load(trainer_path, {"model": model, "optimizer": optimizer})
     out["trainer loaded"] = _whole(fabric, module)
     out["trainer remainder"] = sorted(remainder)
+
+    # a step thrown away with optimizer.zero_grad() on the wrapper Fabric returns: a NaN gradient on
+    # rank 1 makes clip_gradients raise on every rank; the loop skips the batch and trains on, as
+    # under DDP (the wrapper's zero_grad left the optimizer's NaN clip factor in place for good)
+    for name in ("ddp", "zero2", "zero3"):
+        fabric = _fabric(name)
+        module, model, optimizer, scheduler = _setup(fabric)
+        tokens = torch.arange(16).view(2, 8) % 32
+        skipped = []
+        for step in range(4):
+            poison = float("nan") if step == 1 and fabric.global_rank == 1 else 1.0
+            fabric.backward(model(tokens).float().pow(2).mean() * poison)
+            try:
+                fabric.clip_gradients(model, optimizer, max_norm=0.5, error_if_nonfinite=True)
+            except RuntimeError:
+                optimizer.zero_grad()
+                skipped.append(step)
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+        out[f"recovered {name}"] = {"params": _whole(fabric, module), "skipped": skipped}
 
     # a checkpoint Fabric wrote resumes a Trainer fit: weights and optimizer state, the LR scheduler
     # and the loops afresh (it has neither; Lightning raised a KeyError blaming save_weights_only)
@@ -273,6 +305,12 @@ def test_fabric_loads_ddp_and_trainer_checkpoints(runs: list[dict[str, Any]]) ->
         assert "global_step" in out["trainer remainder"]  # the Trainer's loop state is handed back
 
 
+def test_fabric_load_raw_takes_a_bare_state_dict_at_stage_3(runs: list[dict[str, Any]]) -> None:
+    for out in runs:
+        for key, value in out["raw saved"].items():
+            torch.testing.assert_close(out["raw loaded"][key], value, rtol=0, atol=0, msg=key)
+
+
 def test_fabric_bf16_mixed_trains_bf16_parameters(runs: list[dict[str, Any]]) -> None:
     for out in runs:
         assert out["bf16 dtype"] == torch.bfloat16
@@ -337,3 +375,15 @@ def test_a_fabric_checkpoint_resumes_a_trainer_fit(runs: list[dict[str, Any]]) -
             torch.testing.assert_close(resumed["weights"][key], value, rtol=0, atol=0, msg=key)
         assert resumed["steps"] and set(resumed["steps"]) == {2.0}  # Adam's state after Fabric's 2 steps
         assert resumed["global_step"] == 1  # the loops start afresh: one step of this fit
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_a_step_thrown_away_with_zero_grad_on_fabrics_optimizer_trains_on_like_ddp(
+    runs: list[dict[str, Any]], name: str
+) -> None:
+    for out in runs:
+        ddp, zero = out["recovered ddp"], out[f"recovered {name}"]
+        assert ddp["skipped"] == zero["skipped"] == [1]
+        for key, value in ddp["params"].items():
+            assert torch.isfinite(zero["params"][key]).all(), key
+            torch.testing.assert_close(zero["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)

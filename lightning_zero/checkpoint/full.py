@@ -38,6 +38,25 @@ def load_full_checkpoint(path: Path, model_key: str = "state_dict") -> dict[str,
     return checkpoint
 
 
+def load_module_state(path: Path) -> dict[str, Any]:
+    """A module's whole state dict from a file holding one (``torch.save(model.state_dict())``,
+    what Fabric's ``load_raw`` reads), or from a checkpoint holding it under ``state_dict``
+    (Lightning's) or ``model`` (Fabric's)."""
+    if path.is_dir() or path.suffix == ".safetensors":
+        return load_full_checkpoint(path, "model")["model"]
+    content = _torch_load(path)
+    if isinstance(content, dict) and content and all(isinstance(value, torch.Tensor) for value in content.values()):
+        return content
+    for key in ("state_dict", "model"):
+        if isinstance(content, dict) and isinstance(content.get(key), dict):
+            return content[key]
+    found = sorted(map(str, content))[:10] if isinstance(content, dict) else type(content).__name__
+    raise CheckpointError(
+        f"{path} holds no module state: neither a state dict (tensors by name) nor a checkpoint with a 'state_dict'"
+        f" or 'model' entry (found {found}). Save one with torch.save(model.state_dict(), path), or fabric.save."
+    )
+
+
 def _torch_load(path: Path) -> Any:
     # Only zip-format files can be memory-mapped (not legacy pickles, nor a zip cut short).
     try:
