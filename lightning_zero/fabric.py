@@ -61,9 +61,8 @@ from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.strategy import (
     _check_params_in_one_optimizer,
     _do_nothing,
-    _materialize_meta_buffers,
+    _prepare_meta_build,
     _read_deepspeed,
-    _reset_parameters,
     _resolve_config,
 )
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
@@ -262,13 +261,15 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         precision.use_device(self.root_device)
         check_same_model(module, self.collectives)  # before any collective that depends on the model
         on_meta = self.config.stage == 3 and any(p.is_meta for p in module.parameters())
+        init = None
         if on_meta:
-            _materialize_meta_buffers(module, self.root_device)
+            group = torch.distributed.group.WORLD if self.world_size > 1 else None
+            init = _prepare_meta_build(module, self.root_device, group)
         else:
             module.to(self.root_device)
             sync_module_states(module, torch.distributed.group.WORLD)  # rank 0's weights, as with DDP
         self._engine = make_engine(module, self.collectives, self.config, precision.param_dtype, self.root_device,
-                                   init=_reset_parameters if on_meta else None)
+                                   init=init)
         self._module = module
         if self._engine.stage_shards_params and self.collectives.world_size > 1:
             self._unsync_generation = sync_generation(module)  # see [Note: generation at stage 3]

@@ -444,13 +444,10 @@ class ZeroStrategy(ParallelStrategy):
         self._localize_tensor_parallel(module)
         self._setup_pipeline(module)
         on_meta = self.config.stage == 3 and any(p.is_meta for p in module.parameters())
-        unfilled: dict[Tensor, tuple[str, int]] = {}
+        init = None
         if on_meta:
-            unfilled = _materialize_meta_buffers(module, self.root_device)
-            for name, submodule in module.named_modules():  # before any unit: an error leaves nothing half-built
-                _check_resettable(submodule, name)
-            self._take_whole_tensors_beside_meta(module)
-            unfilled = {buffer: (name, buffer._version) for buffer, (name, _) in unfilled.items()}  # after the sync
+            group = self._parallel.data_group if self._parallel is not None else torch.distributed.group.WORLD
+            init = _prepare_meta_build(module, self.root_device, group if self.world_size > 1 else None)
         else:
             self.model_to_device()
             if self._parallel is not None:
@@ -462,7 +459,6 @@ class ZeroStrategy(ParallelStrategy):
             elif self.world_size > 1:
                 # Every rank must start from rank 0's weights, as with DDP.
                 _sync_module_states(module)
-        init = partial(_reset_parameters, unfilled=unfilled) if on_meta else None
         self._engine = make_engine(module, self.engine_collectives, self.config, precision.param_dtype,
                                    self.root_device, init=init)
         if self._tensor_parallel is not None:
@@ -471,23 +467,6 @@ class ZeroStrategy(ParallelStrategy):
             self._rebuild_weight_averages()
             if self.engine_collectives.world_size > 1:
                 self._unsync_generation = sync_generation(module)  # see [Note: generation at stage 3]
-
-    def _take_whole_tensors_beside_meta(self, module: Module) -> None:
-        """Parameters and buffers built whole beside a configure_model part on the meta device (a
-        backbone built in __init__) go to the device and take rank 0's values, as the whole model
-        does when nothing is on the meta device; the engine keeps them (see materialize_and_shard)."""
-        meta = frozenset(p for p in module.parameters() if p.is_meta)
-        with torch.no_grad():
-            for param in module.parameters():
-                if not param.is_meta and param.device != self.root_device:
-                    param.data = param.data.to(self.root_device)
-            for submodule in module.modules():
-                for name, buffer in submodule._buffers.items():
-                    if buffer is not None and buffer.device != self.root_device:
-                        submodule._buffers[name] = buffer.to(self.root_device)
-        if self.world_size > 1:
-            group = self._parallel.data_group if self._parallel is not None else torch.distributed.group.WORLD
-            sync_module_states(module, group, skip=meta)
 
     def _localize_tensor_parallel(self, module: Module) -> None:
         """The DTensor parameters of a tensor-parallel plan become local parameters the engine
@@ -1415,6 +1394,31 @@ def _has_meta_tensors(module: Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
+def _prepare_meta_build(module: Module, device: torch.device,
+                        group: torch.distributed.ProcessGroup | None) -> Callable[[Module], None]:
+    """For a model (partly) built on the meta device at stage 3, before the engine allocates any
+    unit: allocates the meta buffers, checks that every module on the meta device can be
+    initialized (an error then leaves nothing half-built), moves what was built whole beside it (a
+    backbone built in __init__) to ``device`` with rank 0's values over ``group`` (None: one rank),
+    as a model built whole is; returns the per-module ``init`` the engine runs as it materializes."""
+    unfilled = _materialize_meta_buffers(module, device)
+    for name, submodule in module.named_modules():
+        _check_resettable(submodule, name)
+    meta = frozenset(p for p in module.parameters() if p.is_meta)
+    with torch.no_grad():
+        for param in module.parameters():
+            if not param.is_meta and param.device != device:
+                param.data = param.data.to(device)
+        for submodule in module.modules():
+            for name, buffer in submodule._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    submodule._buffers[name] = buffer.to(device)
+    if group is not None:
+        # The buffers just allocated are reset_parameters'; their version counters must not move.
+        sync_module_states(module, group, skip=meta | frozenset(unfilled))
+    return partial(_reset_parameters, unfilled=unfilled)
+
+
 def _materialize_meta_buffers(module: Module, device: torch.device) -> dict[Tensor, tuple[str, int]]:
     """Allocates buffers left on the meta device; ``reset_parameters`` is expected to fill them.
     Returns each allocated buffer with its name and version counter, which a write bumps, so that
@@ -1465,8 +1469,8 @@ def _check_parallel_combination(config: ZeroConfig, state_dict_type: str, collec
 def _reset_parameters(module: Module, unfilled: Mapping[Tensor, tuple[str, int]] | None = None) -> None:
     """Initializes a module built on the meta device once its parameters are allocated; a buffer
     allocated for it (``unfilled``) that its reset_parameters() did not write is an error, not the
-    uninitialized memory it holds."""
-    _check_resettable(module)
+    uninitialized memory it holds. Its callers checked every module with :func:`_check_resettable`
+    first, while the parameters were still on the meta device."""
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()

@@ -18,6 +18,17 @@ STEPS = 4
 ACCUMULATE = 2
 
 
+class _Scale(nn.Module):
+    """A parameter and no reset_parameters()."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
 def _fabric(strategy: Any, precision: str = "32-true") -> Any:
     import importlib
 
@@ -216,6 +227,15 @@ def _cases(tmp: str) -> dict[str, Any]:
         meta_losses.append(loss.item())
     out["meta losses"] = meta_losses
     out["meta numel"] = sum(p.numel() for p in meta.parameters())
+    # a module on the meta device that nothing can initialize: refused, not left uninitialized
+    fabric = _fabric("zero3")
+    with fabric.init_module(empty_init=True):
+        unresettable = nn.Sequential(nn.Linear(16, 16), _Scale(16))
+    try:
+        fabric.setup_module(unresettable)
+        out["meta unresettable"] = None
+    except ValueError as error:
+        out["meta unresettable"] = str(error)
 
     # a rank with an extra backward: every rank raises at the step instead of hanging
     fabric = _fabric("zero2")
@@ -326,6 +346,7 @@ def test_fabric_builds_a_stage3_model_on_the_meta_device(runs: list[dict[str, An
         assert "Set the model up first, then build the optimizer" in out["meta joint"]
         assert out["meta numel"] < whole  # this rank's pieces only
         assert out["meta losses"][-1] < out["meta losses"][0]  # the same batch three times
+        assert out["meta unresettable"] is not None and "_Scale was built on the meta device" in out["meta unresettable"]
     assert sum(out["meta numel"] for out in runs) >= whole
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.utils import _sync_params_and_buffers
 
@@ -227,12 +227,12 @@ class ParallelGroups:
                            step_groups=step_groups)
 
 
-def sync_module_states(module: nn.Module, group: dist.ProcessGroup, skip: frozenset[nn.Parameter] = frozenset()) -> None:
-    """Every rank of ``group`` takes the parameters (but ``skip``) and buffers of its first rank."""
+def sync_module_states(module: nn.Module, group: dist.ProcessGroup, skip: frozenset[Tensor] = frozenset()) -> None:
+    """Every rank of ``group`` takes the parameters and buffers (but ``skip``) of its first rank."""
     if dist.get_world_size(group) == 1:
         return
     states = [p.detach() for p in dict.fromkeys(module.parameters()) if p not in skip]
-    states += [b.detach() for b in module.buffers()]
+    states += [b.detach() for b in module.buffers() if b not in skip]
     _sync_params_and_buffers(group, states, _BROADCAST_BUCKET_BYTES, 0)
 
 
