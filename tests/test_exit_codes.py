@@ -48,3 +48,13 @@ def test_every_collective_form_on_temporaries_then_an_immediate_exit_exits_0() -
         for rank, done in enumerate(_two_ranks(COLLECTIVES_SCRIPT, port=free_port())):
             assert done.returncode == 0, f"run {run}, rank {rank}: exit code {done.returncode}\n{done.stdout[-3000:]}"
             assert "terminate called" not in done.stdout
+
+
+def test_torch_object_collectives_then_an_immediate_exit_exits_0() -> None:
+    """all_gather_object and broadcast_object_list (the strategy's broadcast, Lightning's own calls)
+    hand gloo tensors nothing holds; a script ending right after them aborted in 8 of 20 runs before
+    the exit grace (see [Note: tensors outlive the gloo worker])."""
+    for run in range(RUNS):
+        for rank, done in enumerate(_two_ranks(COLLECTIVES_SCRIPT, "--objects", port=free_port())):
+            assert done.returncode == 0, f"run {run}, rank {rank}: exit code {done.returncode}\n{done.stdout[-3000:]}"
+            assert "terminate called" not in done.stdout
