@@ -150,7 +150,7 @@ from checkpoint import _peak, _reset_peak, _rss
 how, source, out = sys.argv[1:4]
 if how == "ours":
     from lightning_zero import consolidate
-    run = lambda: consolidate(source, out, progress=False)
+    run = lambda: consolidate(source, out, progress=False, overwrite=True)
 else:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     run = lambda: dcp_to_torch_save(source, out)

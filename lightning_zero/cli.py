@@ -51,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                          " self.model (keys outside it are left out); '' keeps the keys as saved. Default: for a"
                          " checkpoint a Trainer wrote, the attribute every key is under, if there is one")
     hf.add_argument("--hf-config", metavar="PATH_OR_DIR", help="a config.json, or a directory holding one, to copy into OUT")
-    hf.add_argument("--overwrite", action="store_true",
-                    help="write into a non-empty OUT: its model*.safetensors files are replaced, other files kept")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an existing OUT file; with --format hf, write into a non-empty OUT: its"
+                             " model*.safetensors files are replaced, other files kept")
     estimate = commands.add_parser(
         "estimate",
         help="print one rank's memory per ZeRO stage and world size, as a table",
@@ -245,14 +246,14 @@ def _estimate(args: argparse.Namespace) -> None:
 def _consolidate(args: argparse.Namespace) -> Path:
     """`consolidate`: one file, or with --format hf a Hugging Face model directory."""
     hf_options = {"--max-shard-size": args.max_shard_size, "--strip-prefix": args.strip_prefix,
-                  "--hf-config": args.hf_config, "--overwrite": args.overwrite or None}
+                  "--hf-config": args.hf_config}
     if args.format != "hf":
         given = [name for name, value in hf_options.items() if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} only apply to --format hf; add --format hf to write a Hugging Face"
                              " model directory.")
         return consolidate(args.checkpoint, args.output, dtype=args.dtype, weights_only=args.weights_only,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, overwrite=args.overwrite)
     if Path(args.output).suffix in (".pt", ".ckpt", ".safetensors"):
         raise ValueError(f"--format hf writes a directory, but OUT={args.output!r} names a file; pass a directory"
                          " (e.g. the model's name), or drop --format hf for one file.")

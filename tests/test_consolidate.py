@@ -284,6 +284,36 @@ def test_bad_dtype_is_refused(exported: Any) -> None:
         consolidate(exported["directory"] / "small.ckpt", exported["directory"] / "x.pt", dtype="int8")  # type: ignore[arg-type]
 
 
+def test_an_export_never_writes_into_a_checkpoint_or_over_a_file_unasked(tmp_path: Path) -> None:
+    """OUT inside the source (one of its shards, its .metadata) or inside another checkpoint damaged
+    that checkpoint, and an existing OUT was replaced without a word; --overwrite replaces it."""
+    source, other = tmp_path / "run.ckpt", tmp_path / "other.ckpt"
+    _complete_checkpoint(source, "source")
+    _complete_checkpoint(other, "other")
+    before = {path: path.read_bytes() for directory in (source, other) for path in directory.iterdir()}
+    shard = next(source.glob("*.distcp"))
+    for out in (shard, source / ".metadata", source / "new.pt", other / "new.pt"):
+        with pytest.raises(CheckpointError, match="is inside the sharded checkpoint .*: writing there would damage it"):
+            consolidate(source, out, progress=False, overwrite=True)
+    from lightning_zero import consolidate_hf
+
+    for out_dir in (source, source / "hf"):
+        with pytest.raises(CheckpointError, match="is inside the sharded checkpoint"):
+            consolidate_hf(source, out_dir, overwrite=True, progress=False)
+    assert {path: path.read_bytes() for directory in (source, other) for path in directory.iterdir()} == before
+
+    kept = tmp_path / "kept.pt"
+    kept.write_bytes(b"someone's file")
+    command = [sys.executable, "-m", "lightning_zero.cli", "consolidate", str(source), str(kept), "--no-progress"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False, cwd=REPO_ROOT)
+    assert refused.returncode == 2 and "kept.pt exists: pass overwrite=True (--overwrite)" in refused.stderr
+    assert kept.read_bytes() == b"someone's file"
+    replaced = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, timeout=120, check=False,
+                              cwd=REPO_ROOT)
+    assert replaced.returncode == 0, replaced.stderr
+    assert set(torch.load(kept, weights_only=False)["state_dict"]) == {"weight", "bias"}
+
+
 # ------------------------------------------------------------------------------ atomic replacement
 def _complete_checkpoint(path: Path, marker: str) -> None:
     """A tiny but real checkpoint directory (single process)."""

@@ -71,6 +71,7 @@ def consolidate(
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
     weights_only: bool = False,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Writes the sharded checkpoint at ``checkpoint`` as one file, streamed shard by shard.
 
@@ -80,6 +81,9 @@ def consolidate(
     the weights, and unless ``weights_only`` the optimizer states in torch's format, LR
     schedulers, loops and callbacks. ``dtype`` casts the floating-point weights of up to 32 bits
     (float64 ones, and the optimizer state, stay as saved). Returns the output path.
+
+    An existing ``output`` file is replaced only with ``overwrite`` (FileExistsError otherwise), and
+    never a file inside a sharded checkpoint (the source's own files included): a CheckpointError.
 
     A run with a weight-averaging callback exports its average where Lightning puts it under any
     other strategy: EMAWeightAveraging's as ``state_dict`` (the trained weights as
@@ -91,9 +95,10 @@ def consolidate(
     source = resolve_checkpoint_path(checkpoint)
     if not source.is_dir():
         raise CheckpointError(_not_a_directory(source))
+    target = Path(output)
+    check_export_target(source, target, overwrite, what="a file")
     metadata = read_metadata(source)
     meta = read_meta(source, metadata)
-    target = Path(output)
     out_dtype = DTYPES[dtype]
     model = _model_entries(source, metadata, meta, out_dtype)
     if target.suffix == ".safetensors":
@@ -132,6 +137,22 @@ def consolidate(
             tensors.update({e.source: e for e in average.values() if isinstance(e, _Entry)})
     save_torch_streamed(target, structure, _stream(source, metadata, list(tensors.values()), progress, by_key=False))
     return target
+
+
+def check_export_target(source: Path, target: Path, overwrite: bool, what: str) -> None:
+    """Refuses an export target that would damage a checkpoint (the source or a file inside any
+    sharded checkpoint) or, without ``overwrite``, replace an existing file."""
+    resolved = target.resolve()
+    inside = next((parent for parent in (resolved, *resolved.parents) if is_sharded_checkpoint(parent)), None)
+    if resolved == source.resolve() or source.resolve() in resolved.parents:
+        inside = source
+    if inside is not None:
+        raise CheckpointError(
+            f"{target} is inside the sharded checkpoint {inside}: writing there would damage it. Write the export"
+            f" ({what}) outside any checkpoint directory, e.g. {source.parent / (source.stem + '.pt')}."
+        )
+    if not overwrite and target.is_file():
+        raise FileExistsError(f"{target} exists: pass overwrite=True (--overwrite) to replace it, or choose a new name.")
 
 
 def _not_a_directory(path: Path) -> str:

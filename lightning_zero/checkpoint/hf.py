@@ -54,6 +54,7 @@ from lightning_zero.checkpoint.consolidate import (
     _model_entries,
     _not_a_directory,
     _stream,
+    check_export_target,
 )
 from lightning_zero.checkpoint.serialization import _atomic_output, _FreedMemory
 from lightning_zero.checkpoint.sharded import (
@@ -128,10 +129,11 @@ def consolidate_hf(
         raise ValueError(f"consolidate_hf(strip_prefix={strip_prefix!r}) must be a str such as 'model.', '' or None.")
     config = _config_file(Path(hf_config)) if hf_config is not None else None
     target = Path(output_dir)
-    _check_output(target, overwrite)
     source = resolve_checkpoint_path(checkpoint)
     if not source.is_dir():
         raise CheckpointError(_not_a_directory(source))
+    check_export_target(source, target, overwrite=True, what="a Hugging Face model directory")
+    _check_output(target, overwrite)
     metadata = read_metadata(source)
     meta = read_meta(source, metadata)
     entries = _exported_entries(source, meta, _model_entries(source, metadata, meta, DTYPES[dtype]), strip_prefix)
