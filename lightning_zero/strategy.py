@@ -54,8 +54,11 @@ from lightning_zero.checkpoint.sharded import (
     META_KEY,
     read_metadata,
     is_sharded_checkpoint,
+    replace_with_file,
     resolve_checkpoint_path,
     save_sharded,
+    whole_save_plan,
+    whole_staging_path,
 )
 from lightning_zero.checkpoint.state import (
     AVERAGE_KEY,
@@ -927,7 +930,22 @@ class ZeroStrategy(ParallelStrategy):
     ) -> None:
         if self._state_dict_type == "full":
             checkpoint = self._whole_averages(checkpoint)
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            if "://" in str(filepath):  # a remote store (fsspec): no directory can be in the way
+                return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            # Where a sharded checkpoint is, the file replaces it (see [Note: atomic save]); rank 0
+            # looks, and every rank takes its decision, so that a refusal raises everywhere.
+            target = Path(filepath)
+            plan, refusal = self.broadcast(whole_save_plan(target) if self.is_global_zero else ("write", None))
+            if plan == "refuse":
+                raise CheckpointError(refusal)
+            if plan == "write":
+                return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            staging = whole_staging_path(target)
+            super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
+            if self.is_global_zero:
+                replace_with_file(staging, target)
+            self.barrier("lightning_zero.whole_save")
+            return None
         if storage_options is not None:
             raise TypeError(
                 "ZeroStrategy(state_dict_type='sharded').save_checkpoint(..., storage_options=...) is not supported:"

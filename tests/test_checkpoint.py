@@ -136,6 +136,28 @@ def _same_world(directory: str) -> dict[str, Any]:
         out["into_users_dir"] = str(error)
     out["into_users_dir_seconds"] = time.monotonic() - start
     out["users_dir_after"] = sorted(p.name for p in users.iterdir())
+    # A whole checkpoint saved where a sharded one is replaces it (Lightning's file save moved its file
+    # into the directory and kept the old checkpoint); into the user's directory it is refused too.
+    swap = Path(directory) / "swap.ckpt"
+    strategy = fitted.strategy
+    assert isinstance(strategy, ZeroStrategy)
+    with launched_environment():
+        fitted.save_checkpoint(swap)
+        out["swap_sharded_was_dir"] = swap.is_dir()
+        strategy.state_dict_type = "full"
+        try:
+            fitted.save_checkpoint(swap)
+            try:
+                fitted.save_checkpoint(users)
+                out["full_into_users_dir"] = "saved"
+            except CheckpointError as error:
+                out["full_into_users_dir"] = str(error)
+        finally:
+            strategy.state_dict_type = "sharded"
+    out["swap_is_file"] = swap.is_file()
+    out["swap_step"] = torch.load(swap, weights_only=False)["global_step"] if swap.is_file() else None
+    out["swap_leftovers"] = sorted(p.name for p in Path(directory).iterdir() if p.name.startswith(".swap"))
+    out["users_dir_after_full"] = sorted(p.name for p in users.iterdir())
     # A DDP checkpoint, and a run that trains on from it with ZeRO-3 (and with DDP, the reference).
     _, fitted = run("ddp", 2, 2)
     with launched_environment():
@@ -462,6 +484,15 @@ def test_a_save_into_a_directory_that_is_not_a_checkpoint_is_refused_on_every_ra
     same = results["same"]
     assert "users_dir: it is a directory that is not a checkpoint (it holds data.csv)" in same["into_users_dir"]
     assert same["users_dir_after"] == ["data.csv"] and same["into_users_dir_seconds"] < 30
+
+
+def test_a_whole_checkpoint_replaces_a_sharded_one_at_its_path(results: dict[str, Any]) -> None:
+    same = results["same"]
+    assert same["swap_sharded_was_dir"] and same["swap_is_file"] and same["swap_step"] == 16
+    assert same["swap_leftovers"] == []
+    assert "Cannot save a whole checkpoint file at" in same["full_into_users_dir"]
+    assert "not a checkpoint (it holds data.csv)" in same["full_into_users_dir"]
+    assert same["users_dir_after_full"] == ["data.csv"]
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(results: dict[str, Any]) -> None:

@@ -33,6 +33,9 @@ renamed to ``.<name>.previous``; a crash between the two renames leaves it there
 previous checkpoint untouched at its name, and the partial directory is removed by the next save.
 Only a checkpoint (or an empty directory) is replaced: a directory that holds anything else is the
 user's (a run's root directory, a dataset), and the save refuses it on every rank before writing.
+A whole checkpoint (one file, ``state_dict_type="full"``) saved where a sharded one is replaces it
+the same way (:func:`replace_with_file`): Lightning's own file save would move its file into the
+directory and report success, leaving the old checkpoint at the name.
 """
 
 from __future__ import annotations
@@ -304,8 +307,8 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.Pro
         dist.barrier(group=group)
 
 
-def _not_replaceable(target: Path) -> str | None:
-    """Why a save must not replace ``target`` (see [Note: atomic save]), or None."""
+def _not_replaceable(target: Path, kind: str = "a sharded checkpoint") -> str | None:
+    """Why a save of ``kind`` must not replace ``target`` (see [Note: atomic save]), or None."""
     if not target.is_dir() or is_sharded_checkpoint(target):
         return None
     entries = sorted(entry.name for entry in target.iterdir())
@@ -313,7 +316,7 @@ def _not_replaceable(target: Path) -> str | None:
         return None
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     return (
-        f"Cannot save a sharded checkpoint at {target}: it is a directory that is not a checkpoint (it holds"
+        f"Cannot save {kind} at {target}: it is a directory that is not a checkpoint (it holds"
         f" {shown}), and the save would replace it with everything in it. Save to a path of its own, e.g."
         f" {target / 'model.ckpt'}, or remove the directory first if nothing in it is needed."
     )
@@ -335,6 +338,34 @@ def _commit(staging: Path, target: Path) -> None:
     os.rename(target, previous)
     os.rename(staging, target)
     _remove(previous)
+
+
+def whole_save_plan(target: Path) -> tuple[str, str | None]:
+    """How a whole (one-file) checkpoint is saved at ``target``: ("write", None) where nothing or a
+    file is; ("replace", None) where a sharded checkpoint or an empty directory is (write beside it,
+    then :func:`replace_with_file`); ("refuse", why) where a directory holds anything else."""
+    if not target.is_dir():
+        return "write", None
+    refusal = _not_replaceable(target, kind="a whole checkpoint file")
+    return ("refuse", refusal) if refusal is not None else ("replace", None)
+
+
+def whole_staging_path(target: Path) -> Path:
+    """Where a whole checkpoint bound for the directory ``target`` is written first."""
+    return target.parent / f".{target.name}.partial-file"
+
+
+def replace_with_file(written: Path, target: Path) -> None:
+    """Puts the complete checkpoint file ``written`` where the directory ``target`` is (see [Note:
+    atomic save]): a crash between the renames leaves the old one at ``.<name>.previous``, which
+    :func:`resolve_checkpoint_path` falls back to."""
+    previous = _previous_path(target)
+    if previous.exists() or previous.is_symlink():
+        _remove(previous)
+    os.rename(target, previous)
+    os.rename(written, target)
+    _remove(previous)
+    _fsync_directory(target.parent)
 
 
 def _fsync_directory(directory: Path) -> None:
