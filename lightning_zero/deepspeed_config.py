@@ -117,6 +117,10 @@ _UNUSED_ZERO: dict[str, str] = {
 }
 # zero_optimization switches that are always on here: true is accepted silently, false is listed.
 _ALWAYS_ON = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions")
+_ZERO_KEYS = frozenset({
+    "stage", "reduce_bucket_size", "allgather_bucket_size", "mics_shard_size", "offload_optimizer", "offload_param",
+    "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "stage3_param_persistence_threshold",
+    "stage3_prefetch_bucket_size", "stage3_max_live_parameters", *_ALWAYS_ON, *_UNUSED_ZERO})
 _OFFLOAD_UNUSED = {
     "buffer_count": "not needed (no NVMe)", "buffer_size": "not needed (no NVMe)",
     "max_in_cpu": "not needed (no NVMe)", "fast_init": "not needed", "nvme_path": "NVMe offload is not implemented",
@@ -124,6 +128,13 @@ _OFFLOAD_UNUSED = {
 }
 _LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                     "consecutive_hysteresis", "min_loss_scale")
+# Every key DeepSpeed knows in these sections (0.19): any other is a typo, reported as one with the
+# nearest known key, not as a feature "not implemented" (its value would fall back to the default).
+_FP16_KEYS = frozenset({"enabled", "auto_cast", "fp16_master_weights_and_grads", *_LOSS_SCALE_KEYS})
+_BF16_KEYS = frozenset({"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                        "bf16_optimizer_states"})
+_OFFLOAD_KEYS = frozenset({"device", "pin_memory", "ratio", "super_offload", "cpuadam_cores_perc", *_OFFLOAD_UNUSED})
+_OFFLOAD_UNUSED.update({"super_offload": "not implemented", "cpuadam_cores_perc": "the C++ CPU Adam uses torch's threads"})
 _REDUCE_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
                   "bf16": "bf16", "bfloat16": "bf16"}
 
@@ -141,7 +152,8 @@ class DeepSpeedSettings:
         zero: the ZeRO configuration.
         precision: ``"16-mixed"`` or ``"bf16-mixed"``; ``None`` when neither fp16 nor bf16 is enabled
             (or they are ``"auto"``): the Trainer's precision then holds.
-        loss_scale: fp16's loss scaling (``None`` without fp16).
+        loss_scale: fp16's loss scaling (``None`` without fp16). With ``"enabled": "auto"`` and
+            loss-scale keys, the scaling a Trainer (or Fabric) whose precision is fp16 takes.
         gradient_clipping: the gradient-norm bound (0 for none); ``None``: not given or ``"auto"``.
         gradient_accumulation_steps: ``None``: not given or ``"auto"``.
         micro_batch_size: ``train_micro_batch_size_per_gpu``; ``None``: not given or ``"auto"``.
@@ -255,7 +267,7 @@ def read_deepspeed_config(source: DeepSpeedSource) -> DeepSpeedSettings:
         if key in _UNUSED_TOP_LEVEL:
             reader.unused[key] = _UNUSED_TOP_LEVEL[key]
         else:
-            reader.unknown.append(key)
+            reader.note_unknown(key, {*_USED_TOP_LEVEL, *_UNUSED_TOP_LEVEL})
     clipping = reader.number("gradient_clipping", values.get("gradient_clipping"), minimum=0.0)
     return DeepSpeedSettings(
         source=where, zero=zero, precision=precision, loss_scale=loss_scale,
@@ -273,6 +285,18 @@ def _typo_of(wanted: str, values: Mapping[str, Any]) -> str:
     return f" It has {near[0]!r}: a typo of {wanted!r}?" if near else ""
 
 
+class _DuplicateKeys(Exception):
+    pass
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise _DuplicateKeys(", ".join(map(repr, repeated)))
+    return dict(pairs)
+
+
 def _load(source: DeepSpeedSource) -> tuple[dict[str, Any], str]:
     if isinstance(source, Mapping):
         return dict(source), "(a dict)"
@@ -285,9 +309,12 @@ def _load(source: DeepSpeedSource) -> tuple[dict[str, Any], str]:
         raise ValueError(f"deepspeed_config={str(source)!r} is not a file: give the path of a DeepSpeed JSON config"
                          " (e.g. ds_config.json), or the config as a dict.")
     try:
-        values = json.loads(path.read_text())
+        values = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicates)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"The DeepSpeed config {path} could not be read as JSON: {error}") from error
+    except _DuplicateKeys as error:
+        raise ValueError(f"The DeepSpeed config {path} gives {error} more than once (JSON would keep the last one"
+                         " silently; DeepSpeed refuses it too): keep one.") from None
     if not isinstance(values, dict):
         raise ValueError(f"The DeepSpeed config {path} holds a {type(values).__name__}, not a JSON object.")
     return values, str(path)
@@ -303,6 +330,13 @@ class _Reader:
 
     def error(self, key: str, value: Any, fix: str) -> ValueError:
         return ValueError(f"The DeepSpeed config {self.where} has {key}={value!r}: {fix}")
+
+    def note_unknown(self, key: str, known: Any) -> None:
+        """``key`` (dotted) is not a DeepSpeed key: reported with the nearest of ``known`` (names)."""
+        prefix, _, name = key.rpartition(".")
+        near = difflib.get_close_matches(name, [str(k) for k in known], n=1, cutoff=0.6)
+        hint = f" ({(prefix + '.' if prefix else '') + near[0]}?)" if near else ""
+        self.unknown.append(key + hint)
 
     def section(self, values: Mapping[str, Any], key: str) -> dict[str, Any]:
         value = values.get(key, {})
@@ -338,14 +372,27 @@ class _Reader:
         bf16_on = self._enabled("bf16", bf16)
         if fp16_on and bf16_on:
             raise ValueError(f"The DeepSpeed config {self.where} enables both fp16 and bf16: enable one.")
+        bf16_name = "bf16" if "bf16" in values else "bfloat16"
         for key in sorted(set(bf16) - {"enabled"}):
-            if bf16[key] is not False:
-                self.unused[f"bf16.{key}"] = "not needed: bf16 keeps fp32 masters, gradients are reduced in reduce_dtype"
+            if key not in _BF16_KEYS:
+                self.note_unknown(f"{bf16_name}.{key}", _BF16_KEYS)
+            elif bf16[key] is not False:
+                self.unused[f"{bf16_name}.{key}"] = "not needed: bf16 keeps fp32 masters, gradients are reduced in reduce_dtype"
         for key in sorted(set(fp16) - {"enabled", *_LOSS_SCALE_KEYS}):
-            if fp16[key] is not False:
+            if key not in _FP16_KEYS:
+                self.note_unknown(f"fp16.{key}", _FP16_KEYS)
+            elif fp16[key] is not False:
                 self.unused[f"fp16.{key}"] = "not implemented: fp16 keeps fp32 masters and autocasts"
+        if fp16.get("enabled") == AUTO and not bf16_on and set(fp16) & set(_LOSS_SCALE_KEYS):
+            # Hugging Face's "auto": the Trainer's precision decides, and under fp16 its loss scale is
+            # the section's (see DeepSpeedSettings.loss_scale); DeepSpeed's defaults are ours too.
+            scale = self._loss_scale(fp16)
+            return None, (scale if scale != LossScaleConfig() else None)
         if not fp16_on:
             return ("bf16-mixed" if bf16_on else None), None
+        return "16-mixed", self._loss_scale(fp16)
+
+    def _loss_scale(self, fp16: Mapping[str, Any]) -> LossScaleConfig:
         kwargs: dict[str, Any] = {}
         scale = self.number("fp16.loss_scale", fp16.get("loss_scale"), minimum=0.0)
         if scale:  # 0 is DeepSpeed's "dynamic"
@@ -360,7 +407,7 @@ class _Reader:
         if min_scale is not None:
             kwargs["min_loss_scale"] = min_scale
         try:
-            return "16-mixed", LossScaleConfig(**kwargs)
+            return LossScaleConfig(**kwargs)
         except ValueError as error:
             raise ValueError(f"The DeepSpeed config {self.where} has an invalid fp16 loss scale: {error}") from error
 
@@ -430,7 +477,7 @@ class _Reader:
             if key in _UNUSED_ZERO:
                 self.unused[f"zero_optimization.{key}"] = _UNUSED_ZERO[key]
             else:
-                self.unknown.append(f"zero_optimization.{key}")
+                self.note_unknown(f"zero_optimization.{key}", _ZERO_KEYS)
         return {key: value for key, value in kwargs.items() if value is not None}
 
     def _legacy_offload(self, values: Mapping[str, Any], key: str, legacy: str) -> Any:
@@ -457,7 +504,7 @@ class _Reader:
         for key in values:
             if key.startswith("stage3_") and key not in _UNUSED_ZERO and key not in (
                     "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
-                self.unknown.append(f"zero_optimization.{key}")
+                self.note_unknown(f"zero_optimization.{key}", _ZERO_KEYS)
         return kwargs
 
     def offload(self, key: str, value: Any) -> CPUOffloadPolicy | None:
@@ -473,7 +520,10 @@ class _Reader:
         if device not in ("cpu", "none", None):
             raise self.error(f"{key}.device", device, "use \"cpu\" or \"none\".")
         for extra in sorted(set(value) - {"device", "pin_memory", "ratio"}):
-            self.unused[f"{key}.{extra}"] = _OFFLOAD_UNUSED.get(extra, "not implemented")
+            if extra in _OFFLOAD_UNUSED:
+                self.unused[f"{key}.{extra}"] = _OFFLOAD_UNUSED[extra]
+            else:
+                self.note_unknown(f"{key}.{extra}", _OFFLOAD_KEYS)
         if device in ("none", None):
             return None
         pin = value.get("pin_memory", _DS_PIN_MEMORY)

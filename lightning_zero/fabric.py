@@ -44,6 +44,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy, _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
 from torch.nn import Module
@@ -55,15 +56,18 @@ from lightning_zero.checkpoint.sharded import is_sharded_checkpoint, resolve_che
 from lightning_zero.checkpoint.state import load_checkpoint as load_sharded_checkpoint
 from lightning_zero.checkpoint.state import save_checkpoint as save_sharded_checkpoint
 from lightning_zero.config import ZeroConfig
+from lightning_zero.deepspeed_config import DeepSpeedConfigWarning, DeepSpeedSettings
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.parallel.mesh import sync_module_states
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.strategy import (
+    _auto_fp16_loss_scale,
     _check_params_in_one_optimizer,
     _do_nothing,
     _prepare_meta_build,
     _read_deepspeed,
     _resolve_config,
+    _warn_if_loss_scale_left_out,
 )
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import agree_before_collective, agree_before_step, check_same_model
@@ -146,15 +150,19 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         start_method: StartMethod = "popen",
         collectives: Collectives | CountingCollectives | None = None,
     ) -> None:
+        # Before the base class, whose constructor assigns the precision plugin (read by its setter).
+        self._deepspeed: DeepSpeedSettings | None = None
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         if deepspeed_config is not None:
             settings = _read_deepspeed(deepspeed_config, stage, config, precision, owner="ZeroFabricStrategy",
                                       precision_name="precision")
+            self._deepspeed = settings
             config = settings.zero
             if settings.precision is not None:
                 self._precision = ZeroFabricPrecision(settings.precision, loss_scale=settings.loss_scale)
+            _warn_of_loop_settings(settings)
         self.config = _resolve_config(stage, config)
         if not self.config.parallel.is_trivial or self.config.pipeline.enabled:
             raise ValueError(
@@ -174,6 +182,12 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._forward_handle: Any = None
         self._unsync_generation: Callable[[], None] = _do_nothing  # not a lambda: spawn pickles the strategy
 
+    @property
+    def deepspeed_settings(self) -> DeepSpeedSettings | None:
+        """What the ``deepspeed_config`` asked for (None without one): its ``gradient_clipping`` and
+        ``gradient_accumulation_steps`` are for the loop to apply."""
+        return self._deepspeed
+
     # ------------------------------------------------------------------ precision
     @property
     @override
@@ -186,6 +200,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         # Fabric builds a generic plugin from `precision=`; ZeRO needs its own (fp32 masters in the
         # sharded optimizer, the loss scaler in the step).
         if precision is None or isinstance(precision, ZeroFabricPrecision):
+            if precision is not None:
+                _warn_if_loss_scale_left_out(self._deepspeed, precision)
             self._precision = precision
         elif type(precision) in (Precision, MixedPrecision, HalfPrecision) or type(precision) is ZeroPrecision:
             current = self._precision
@@ -196,8 +212,11 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                 raise ValueError(
                     f"The DeepSpeed config asks for precision {current.precision!r} but Fabric has precision={flag!r}."
                     " Drop one: remove Fabric(precision=...), or disable the config's fp16/bf16 section.")
-            loss_scale = precision.loss_scaler.config if isinstance(precision, ZeroPrecision) \
-                and precision.loss_scaler is not None else None
+            if isinstance(precision, ZeroPrecision):
+                _warn_if_loss_scale_left_out(self._deepspeed, precision)
+                loss_scale = precision.loss_scaler.config if precision.loss_scaler is not None else None
+            else:
+                loss_scale = _auto_fp16_loss_scale(self._deepspeed, flag)
             self._precision = ZeroFabricPrecision(flag, loss_scale=loss_scale)
         else:
             raise ValueError(
@@ -558,6 +577,28 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             strategy_registry.register(name, cls, description=f"{description} (lightning_zero, Fabric)", config=config)
             strategy_registry.register(f"{name}_spawn", cls, config=config, start_method="spawn",
                                        description=f"{description}, ranks started with 'spawn' (lightning_zero, Fabric)")
+
+
+def _warn_of_loop_settings(settings: DeepSpeedSettings) -> None:
+    """DeepSpeed's engine clips and accumulates by itself; under Fabric the loop does both, so the
+    config's values would be dropped without a word (see ZeroFabricStrategy.deepspeed_settings)."""
+    asks = []
+    if settings.gradient_clipping:
+        asks.append(f"gradient_clipping={settings.gradient_clipping:g}: call fabric.clip_gradients(model, optimizer,"
+                    f" max_norm={settings.gradient_clipping:g}) before each optimizer.step()")
+    if settings.gradient_accumulation_steps is not None and settings.gradient_accumulation_steps > 1:
+        asks.append(f"gradient_accumulation_steps={settings.gradient_accumulation_steps}: step every"
+                    f" {settings.gradient_accumulation_steps} backward calls, the others inside"
+                    " fabric.no_backward_sync(model)")
+    if settings.micro_batch_size is not None or settings.train_batch_size is not None:
+        sizes = [f"{name}={value}" for name, value in (("train_micro_batch_size_per_gpu", settings.micro_batch_size),
+                                                     ("train_batch_size", settings.train_batch_size)) if value]
+        asks.append(f"{' and '.join(sizes)}: build the DataLoader with that batch size")
+    if asks:
+        rank_zero_warn(
+            f"The DeepSpeed config {settings.source} sets what DeepSpeed's engine does in its step, and under Fabric"
+            " your loop does: " + "; ".join(asks) + ". They are in strategy.deepspeed_settings; nothing applies"
+            " them for you.", category=DeepSpeedConfigWarning)
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

@@ -98,6 +98,7 @@ from lightning_zero.parallel.mesh import (
 from lightning_zero.parallel.pipeline import PipelineRunner, build_pipeline, is_split
 from lightning_zero.pipeline_steps import PipelineSteps
 from lightning_zero.parallel.tensor import TensorParallelParams, materialize_tensor_parallel
+from lightning_zero.loss_scaler import LossScaleConfig
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
@@ -168,6 +169,8 @@ class ZeroStrategy(ParallelStrategy):
         state_dict_type: StateDictType = "sharded",
         deepspeed_config: dict[str, Any] | str | Path | None = None,  # dict first: jsonargparse tries in order
     ) -> None:
+        # Before the base class, whose constructor assigns the precision plugin (read by its setter).
+        self._deepspeed: DeepSpeedSettings | None = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -175,7 +178,6 @@ class ZeroStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._deepspeed: DeepSpeedSettings | None = None
         if deepspeed_config is not None:
             self._deepspeed = _read_deepspeed(deepspeed_config, stage, config, precision_plugin)
             config = self._deepspeed.zero
@@ -238,9 +240,12 @@ class ZeroStrategy(ParallelStrategy):
         # The Trainer assigns a generic plugin built from `precision=`; ZeRO needs its own, which
         # keeps the fp32 master weights in the sharded optimizer.
         if precision_plugin is None or isinstance(precision_plugin, ZeroPrecision):
+            if precision_plugin is not None:
+                _warn_if_loss_scale_left_out(self._deepspeed, precision_plugin)
             self._precision_plugin = precision_plugin
         elif type(precision_plugin) in (Precision, MixedPrecision, HalfPrecision):
-            self._precision_plugin = ZeroPrecision(str(precision_plugin.precision))
+            flag = str(precision_plugin.precision)
+            self._precision_plugin = ZeroPrecision(flag, loss_scale=_auto_fp16_loss_scale(self._deepspeed, flag))
         else:
             precision = getattr(precision_plugin, "precision", None)
             raise ValueError(
@@ -1298,6 +1303,28 @@ class ZeroStrategy(ParallelStrategy):
 
 def _do_nothing(*args: Any) -> None:
     pass
+
+
+def _auto_fp16_loss_scale(settings: DeepSpeedSettings | None, flag: str) -> LossScaleConfig | None:
+    """The loss scaling of a DeepSpeed config whose fp16 section is ``"enabled": "auto"``, for a
+    Trainer or Fabric whose precision ``flag`` turned out to be fp16 (None otherwise)."""
+    if settings is None or settings.precision is not None or not flag.startswith("16-"):
+        return None
+    return settings.loss_scale
+
+
+def _warn_if_loss_scale_left_out(settings: DeepSpeedSettings | None, plugin: ZeroPrecision) -> None:
+    """A plugin the user passed decides the precision; the loss scaling an "auto" fp16 section of
+    the DeepSpeed config asks for is then not applied, which the user must hear of."""
+    wanted = _auto_fp16_loss_scale(settings, str(plugin.precision))
+    if wanted is None or plugin.loss_scaler is None or plugin.loss_scaler.config == wanted:
+        return
+    assert settings is not None
+    rank_zero_warn(
+        f"The DeepSpeed config {settings.source} asks for fp16 loss scaling {wanted} (its \"auto\" fp16 section), but"
+        f" the precision plugin passed has {plugin.loss_scaler.config}, which is used. Pass"
+        " ZeroPrecision('16-mixed', loss_scale=strategy.deepspeed_settings.loss_scale) to take the config's, or"
+        " Trainer(precision='16-mixed') without a plugin.", category=DeepSpeedConfigWarning)
 
 
 def _read_deepspeed(source: DeepSpeedSource, stage: int | None, config: object, precision_plugin: object,

@@ -124,8 +124,69 @@ def test_keys_not_used_and_unknown_keys_are_reported() -> None:
         "zero_optimization.overlap_comm": "always on here",
         "zero_optimization.allgather_bucket_size": "the all-gathers use the reduce buckets (reduce_bucket_size)",
         "flops_profiler": "not implemented"}
-    assert settings.unknown == ("zero_optimization.reduce_bucket_sise", "zero_optimisation")
+    assert settings.unknown == ("zero_optimization.reduce_bucket_sise (zero_optimization.reduce_bucket_size?)",
+                                "zero_optimisation (zero_optimization?)")
     assert "a typo?" in (settings.ignored_keys_message() or "")
+
+
+def test_a_typo_inside_a_section_is_reported_as_one_with_the_key_meant() -> None:
+    """A misspelt fp16/bf16/offload key was listed as a feature "not implemented" while its value
+    fell back to the default."""
+    settings = read_deepspeed_config({
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": True, "buffer_count": 4}},
+        "fp16": {"enabled": True, "loss_scale_windw": 50, "auto_cast": True}, "bf16": {"enabeld": False}})
+    assert settings.unknown == ("bf16.enabeld (bf16.enabled?)", "fp16.loss_scale_windw (fp16.loss_scale_window?)",
+                                "zero_optimization.offload_optimizer.pin_memroy"
+                                " (zero_optimization.offload_optimizer.pin_memory?)")
+    assert settings.unused == {"fp16.auto_cast": "not implemented: fp16 keeps fp32 masters and autocasts",
+                               "zero_optimization.offload_optimizer.buffer_count": "not needed (no NVMe)"}
+    assert settings.loss_scale == LossScaleConfig()  # the typo's 50 is not taken
+
+
+def test_an_auto_fp16_section_gives_its_loss_scale_to_a_trainer_in_fp16() -> None:
+    """Hugging Face's {"enabled": "auto", "loss_scale": ...}: the loss-scale keys were dropped without
+    a word, and the Trainer's fp16 ran with the default dynamic scaling."""
+    config = {**_config(), "fp16": {"enabled": "auto", "loss_scale": 128, "hysteresis": 4}}
+    settings = read_deepspeed_config(config)
+    wanted = LossScaleConfig(loss_scale=128.0, hysteresis=4)
+    assert settings.precision is None and settings.loss_scale == wanted and not settings.unknown
+    # On the CPU Lightning turns '16-mixed' into bf16; '16-true' keeps fp16, through the same setter.
+    fp16 = pl.Trainer(strategy=ZeroStrategy(deepspeed_config=config), precision="16-true", accelerator="cpu",
+                      devices=1, logger=False)
+    plugin = fp16.strategy.precision_plugin
+    assert isinstance(plugin, ZeroPrecision) and plugin.loss_scaler is not None and plugin.loss_scaler.config == wanted
+    bf16 = pl.Trainer(strategy=ZeroStrategy(deepspeed_config=config), precision="bf16-mixed", accelerator="cpu",
+                      devices=1, logger=False)
+    assert bf16.strategy.precision_plugin.loss_scaler is None
+    with pytest.warns(DeepSpeedConfigWarning, match=r"asks for fp16 loss scaling .*loss_scale=128.0.* but the"
+                                                    r" precision plugin passed has"):
+        pl.Trainer(strategy=ZeroStrategy(deepspeed_config=config), plugins=[ZeroPrecision("16-mixed")],
+                   accelerator="cpu", devices=1, logger=False)
+    import lightning as L
+
+    from lightning_zero import ZeroFabricStrategy
+
+    fabric = L.Fabric(strategy=ZeroFabricStrategy(deepspeed_config=config), precision="16-true", accelerator="cpu",
+                      devices=1)
+    assert fabric.strategy.precision.loss_scaler.config == wanted  # type: ignore[attr-defined]
+
+
+def test_fabric_names_the_loop_settings_it_leaves_to_the_loop() -> None:
+    """DeepSpeed's engine clips and accumulates; Fabric's loop must, and was not told."""
+    from lightning_zero import ZeroFabricStrategy
+
+    config = {**_config(), "gradient_clipping": 1.0, "gradient_accumulation_steps": 4,
+              "train_micro_batch_size_per_gpu": 8}
+    with pytest.warns(DeepSpeedConfigWarning) as caught:
+        strategy = ZeroFabricStrategy(deepspeed_config=config)
+    message = " ".join(str(w.message) for w in caught)
+    assert "gradient_clipping=1: call fabric.clip_gradients(model, optimizer, max_norm=1)" in message
+    assert "gradient_accumulation_steps=4: step every 4 backward calls" in message
+    assert "train_micro_batch_size_per_gpu=8: build the DataLoader with that batch size" in message
+    assert strategy.deepspeed_settings is not None and strategy.deepspeed_settings.gradient_clipping == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZeroFabricStrategy(deepspeed_config={**_config(), "gradient_clipping": "auto", "gradient_accumulation_steps": 1})
 
 
 @pytest.mark.parametrize(("values", "match"), [
@@ -163,6 +224,10 @@ def test_files_that_are_not_configs(tmp_path: Path) -> None:
     broken.write_text('{"zero_optimization": {"stage": 2,}')
     with pytest.raises(ValueError, match=r"broken.json could not be read as JSON"):
         read_deepspeed_config(broken)
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"zero_optimization": {"stage": 3, "stage": 2}}')
+    with pytest.raises(ValueError, match=r"twice.json gives 'stage' more than once"):
+        read_deepspeed_config(twice)
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
     with pytest.raises(ValueError, match="holds a list, not a JSON object"):
