@@ -263,6 +263,9 @@ def test_console_command_is_installed() -> None:
         (["notes.txt", "out.pt"], "notes.txt is not a checkpoint: a sharded checkpoint is a directory"),
         (["one_file.pt", "out.pt"], "one_file.pt is a single torch file, not a sharded checkpoint directory: there is nothing"
                                  " to consolidate"),
+        (["deepspeed.ckpt", "out.pt"], "deepspeed.ckpt is a DeepSpeed checkpoint (it holds checkpoint, latest,"
+                                       " zero_to_fp32.py), not a lightning_zero one. Convert it"),
+        ([".", "out.pt"], "), not a checkpoint itself: pass one of them, e.g."),
     ],
 )
 def test_console_command_reports_bad_input_without_a_traceback(exported: Any, arguments: list[str], message: str) -> None:
@@ -270,6 +273,11 @@ def test_console_command_reports_bad_input_without_a_traceback(exported: Any, ar
     (directory / "empty").mkdir(exist_ok=True)
     (directory / "notes.txt").write_text("not a checkpoint\n")
     torch.save({"state_dict": {}}, directory / "one_file.pt")
+    deepspeed = directory / "deepspeed.ckpt"  # the layout of Lightning's DeepSpeedStrategy
+    (deepspeed / "checkpoint").mkdir(parents=True, exist_ok=True)
+    (deepspeed / "latest").write_text("checkpoint")
+    (deepspeed / "zero_to_fp32.py").write_text("")
+    torch.save({}, deepspeed / "checkpoint" / "mp_rank_00_model_states.pt")
     result = subprocess.run(
         [sys.executable, "-m", "lightning_zero.cli", "consolidate", *[str(directory / a) for a in arguments]],
         capture_output=True, text=True, timeout=120, check=False, cwd=REPO_ROOT,

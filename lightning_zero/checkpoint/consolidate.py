@@ -95,10 +95,10 @@ def consolidate(
     source = resolve_checkpoint_path(checkpoint)
     if not source.is_dir():
         raise CheckpointError(_not_a_directory(source))
-    target = Path(output)
-    check_export_target(source, target, overwrite, what="a file")
     metadata = read_metadata(source)
     meta = read_meta(source, metadata)
+    target = Path(output)
+    check_export_target(source, target, overwrite, what="a file")
     out_dtype = DTYPES[dtype]
     model = _model_entries(source, metadata, meta, out_dtype)
     if target.suffix == ".safetensors":

@@ -132,10 +132,10 @@ def consolidate_hf(
     source = resolve_checkpoint_path(checkpoint)
     if not source.is_dir():
         raise CheckpointError(_not_a_directory(source))
-    check_export_target(source, target, overwrite=True, what="a Hugging Face model directory")
-    _check_output(target, overwrite)
     metadata = read_metadata(source)
     meta = read_meta(source, metadata)
+    check_export_target(source, target, overwrite=True, what="a Hugging Face model directory")
+    _check_output(target, overwrite)
     entries = _exported_entries(source, meta, _model_entries(source, metadata, meta, DTYPES[dtype]), strip_prefix)
     outputs = _outputs(entries)
     shards = plan_shards([(output.key, _output_bytes(output)) for output in outputs], limit)

@@ -435,10 +435,7 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
 def read_metadata(path: Path) -> Metadata:
     """DCP's metadata of a checkpoint directory, after checking every data file it names is complete."""
     if not (path / METADATA_FILE).is_file():
-        raise CheckpointError(
-            f"{path} is a directory but not a complete checkpoint: it has no {METADATA_FILE} file, which DCP"
-            " writes last. It may be a save that was interrupted; load the previous checkpoint instead."
-        )
+        raise CheckpointError(_why_not_a_checkpoint(path))
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as error:  # noqa: BLE001 - any unpickling failure means the same thing here
@@ -446,6 +443,27 @@ def read_metadata(path: Path) -> Metadata:
                               " checkpoint is damaged. Load an earlier checkpoint.") from error
     _check_files_complete(path, metadata)
     return metadata
+
+
+def _why_not_a_checkpoint(path: Path) -> str:
+    """What the directory ``path`` without DCP's metadata file is, and what to do: a DeepSpeed
+    checkpoint (convert it), a folder of checkpoints (pass one), or a save that never finished."""
+    entries = sorted(path.iterdir())
+    deepspeed_files = [entry for entry in entries if entry.name in ("latest", "zero_to_fp32.py")
+                       or (entry.is_dir() and any(entry.glob("*_model_states.pt")))]
+    if deepspeed_files or any(path.glob("*_model_states.pt")):
+        held = ", ".join(entry.name for entry in deepspeed_files[:3]) or "DeepSpeed model states"
+        return (f"{path} is a DeepSpeed checkpoint (it holds {held}), not a lightning_zero one. Convert it to one"
+                f" file first, with DeepSpeed's"
+                f" {path / 'zero_to_fp32.py'} or lightning.pytorch.utilities.deepspeed."
+                "convert_zero_checkpoint_to_fp32_state_dict, and load that file.")
+    inner = [entry.name for entry in entries if is_sharded_checkpoint(entry) or entry.suffix in (".ckpt", ".pt")]
+    if inner:
+        shown = ", ".join(inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+        return (f"{path} is a directory that holds checkpoints ({shown}), not a checkpoint itself: pass one of them,"
+                f" e.g. {path / inner[-1]}.")
+    return (f"{path} is a directory but not a complete checkpoint: it has no {METADATA_FILE} file, which DCP"
+            " writes last. It may be a save that was interrupted; load the previous checkpoint instead.")
 
 
 def _check_files_complete(path: Path, metadata: Metadata) -> None:
