@@ -64,6 +64,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from lightning_zero._messages import some_of
 from lightning_zero.checkpoint.checksums import (
     ChecksummingWriter,
     CheckpointError,
@@ -314,7 +315,7 @@ def _not_replaceable(target: Path, kind: str = "a sharded checkpoint") -> str | 
     entries = sorted(entry.name for entry in target.iterdir())
     if not entries:
         return None
-    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    shown = some_of(entries, quoted=False)
     return (
         f"Cannot save {kind} at {target}: it is a directory that is not a checkpoint (it holds"
         f" {shown}), and the save would replace it with everything in it. Save to a path of its own, e.g."
@@ -459,7 +460,7 @@ def _why_not_a_checkpoint(path: Path) -> str:
                 "convert_zero_checkpoint_to_fp32_state_dict, and load that file.")
     inner = [entry.name for entry in entries if is_sharded_checkpoint(entry) or entry.suffix in (".ckpt", ".pt")]
     if inner:
-        shown = ", ".join(inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+        shown = some_of(inner, shown=3, quoted=False)
         return (f"{path} is a directory that holds checkpoints ({shown}), not a checkpoint itself: pass one of them,"
                 f" e.g. {path / inner[-1]}.")
     return (f"{path} is a directory but not a complete checkpoint: it has no {METADATA_FILE} file, which DCP"
@@ -536,9 +537,9 @@ def describe_mismatch(
     """An error message for a checkpoint that does not fit the model, or None if it fits."""
     problems = []
     if strict and missing:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {_some(missing)}")
+        problems.append(f"missing keys (in the model, not in the checkpoint): {some_of(missing, shown=10)}")
     if strict and unexpected:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_some(unexpected)}")
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {some_of(unexpected, shown=10)}")
     if wrong_shapes:
         shapes = ", ".join(f"'{k}' checkpoint {tuple(saved)} vs model {tuple(mine)}" for k, (saved, mine) in
                            list(wrong_shapes.items())[:10])
@@ -551,6 +552,3 @@ def describe_mismatch(
     return f"The checkpoint {path} does not fit the model: " + "; ".join(problems) + f". {fix}. Nothing was loaded."
 
 
-def _some(keys: Sequence[str]) -> str:
-    shown = ", ".join(repr(k) for k in list(keys)[:10])
-    return shown + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")

@@ -54,6 +54,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_zero._messages import some_of
 from lightning_zero.config import ZeroConfig
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.offload.step import StagingBuffers, cpu_adam_steps, fused_cpu_masters
@@ -385,11 +386,11 @@ class ShardedOptimizer(Optimizer):
             return
         what = []
         if unfrozen:
-            what.append(f"the parameter(s) {_some_names(unfrozen)} were frozen (requires_grad=False) when the"
+            what.append(f"the parameter(s) {some_of(unfrozen)} were frozen (requires_grad=False) when the"
                         " strategy set the optimizer up and are trainable now")
         if added:
             names = [self.layout.param_name(param) for param in added]
-            what.append(f"{len(added)} parameter(s) were added to its param groups since ({_some_names(names)})")
+            what.append(f"{len(added)} parameter(s) were added to its param groups since ({some_of(names)})")
         raise RuntimeError(
             f"ZeRO shards the parameters {type(self.optimizer).__name__} trains once, at setup, but "
             + " and ".join(what) + ": they have no optimizer shard and would not train. Make every parameter the run"
@@ -917,11 +918,6 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def remove_hooks(self) -> None:
         self.engine.remove_hooks()
-
-
-def _some_names(names: Sequence[str], shown: int = 5) -> str:
-    listed = ", ".join(repr(name) for name in names[:shown])
-    return listed if len(names) <= shown else f"{listed} and {len(names) - shown} more"
 
 
 def _is_per_element(pieces: Sequence[ParamPiece], states: Sequence[Mapping[str, Any]], key: str) -> bool:
