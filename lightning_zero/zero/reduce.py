@@ -254,8 +254,10 @@ class Reduction:
             self._new_grad().zero_()
             self._written = [True] * len(self._parts)
         self._clear_unwritten()
-        # Averaging before the sum keeps fp16/bf16 sums in range, as DDP does.
-        self.grad.div_(self.world_size)
+        # Averaging before the sum keeps fp16/bf16 sums in range, as DDP does (x / 1 is x: one rank
+        # skips the pass over the bucket).
+        if self.world_size > 1:
+            self.grad.div_(self.world_size)
         self._into_master = self.master_grad_zero and self._can_reduce_into_master()
         if self._into_master:
             self._output = self.master_grad
