@@ -61,8 +61,10 @@ def _parser() -> argparse.ArgumentParser:
         " on the training device and the host, for each world size and stage (see lightning_zero.estimate_memory)."
         " Activations are not estimated here: estimate_memory(model, ..., sample_batch=...) measures them.",
     )
-    estimate.add_argument("model", help="a trainable parameter count (e.g. 7e9 or 125000000), or module.path:factory"
-                                        " naming a callable that returns the nn.Module (built on the meta device)")
+    estimate.add_argument("model", help="a trainable parameter count (e.g. 7e9 or 125000000), module.path:factory"
+                                        " naming a callable that returns the nn.Module (built on the meta device),"
+                                        " or a Hugging Face model's config: a config.json, a directory holding one,"
+                                        " or hf:NAME (e.g. hf:gpt2, read from the Hub)")
     estimate.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the factory, e.g."
                                                                  " '{\"vocab_size\": 50304}'")
     estimate.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel ranks")
@@ -158,7 +160,12 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _load_model(spec: str, kwargs: str) -> Any:
-    """A parameter count, or the module a ``module.path:factory`` builds (on the meta device)."""
+    """A parameter count, the module a ``module.path:factory`` builds, or a Hugging Face model from
+    its config (a config.json, a directory holding one, or ``hf:NAME`` on the Hub), on the meta device."""
+    if spec.endswith(".json") and not Path(spec).is_file():
+        raise ValueError(f"MODEL={spec!r}: no such file (a Hugging Face config.json, or a directory holding one).")
+    if spec.startswith("hf:") or spec.endswith(".json") or Path(spec).is_dir():
+        return _build_hugging_face(spec.removeprefix("hf:"))
     if ":" in spec:
         return _build(spec, kwargs)
     try:
@@ -169,6 +176,30 @@ def _load_model(spec: str, kwargs: str) -> Any:
     except (ValueError, OverflowError):
         raise ValueError(f"MODEL={spec!r} is neither a whole parameter count (e.g. 7e9) nor module.path:factory.") \
             from None
+
+
+def _build_hugging_face(source: str) -> Any:
+    """The Hugging Face model of ``source``'s config (a path or a Hub name), with its causal-LM head
+    where it has one, built on the meta device: its sizes, no weights read or allocated."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"MODEL={source!r} is a Hugging Face config, which needs transformers: pip install"
+                         " transformers") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+    except Exception as error:  # noqa: BLE001 - a missing file, an unknown model type, no network: a message
+        raise ValueError(f"cannot read a Hugging Face config from {source!r}: {type(error).__name__}: {error}") \
+            from error
+    with torch.device("meta"):
+        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+            try:
+                return auto.from_config(config)
+            except ValueError:  # this architecture has no class under that auto class
+                continue
+    raise ValueError(f"transformers builds no model for the config of {source!r} (model_type={config.model_type!r})")
 
 
 def _build(spec: str, kwargs: str) -> Any:

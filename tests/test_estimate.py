@@ -3,6 +3,7 @@ activation probe, its errors and the `lightning-zero estimate` command."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -166,3 +167,23 @@ def test_estimate_command_prints_a_table(capsys: pytest.CaptureFixture[str]) -> 
     for bad in ("inf", "1e400", "7.9"):
         assert main(["estimate", bad]) == 2
         assert "neither a whole parameter count" in capsys.readouterr().err
+
+
+def test_estimate_command_takes_a_hugging_face_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A user with a config.json (or its directory) estimates without writing a factory; nothing is
+    allocated (the model is built on the meta device) and tied weights count once."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128, bos_token_id=0,
+                        eos_token_id=0)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
+    for model in (str(tmp_path), str(tmp_path / "config.json")):
+        assert main(["estimate", model, "--world-sizes", "2", "--stages", "3"]) == 0
+        assert f"{expected:,} trainable parameters" in capsys.readouterr().out
+    assert main(["estimate", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json': no such file" in capsys.readouterr().err
+    (tmp_path / "unknown.json").write_text('{"model_type": "no_such_architecture"}')
+    assert main(["estimate", str(tmp_path / "unknown.json")]) == 2
+    assert "cannot read a Hugging Face config from" in capsys.readouterr().err
