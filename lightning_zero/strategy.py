@@ -627,6 +627,24 @@ class ZeroStrategy(ParallelStrategy):
     def zero_optimizers(self) -> list[ShardedOptimizer]:
         return [opt for opt in self.optimizers if isinstance(opt, ShardedOptimizer)]
 
+    def grad_norm(self, norm_type: float | int | str = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
+        """What ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` gives under DDP, read from
+        the shards (see :func:`grad_norm`): a collective, to call on every rank, in a hook after the
+        closure (``on_before_optimizer_step``), where the reduced gradients are."""
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"grad_norm(norm_type={norm_type!r}) must be a positive number or 'inf'.")
+        norms: dict[str, Tensor] = {}
+        for optimizer in self.zero_optimizers:
+            norms.update(optimizer.grad_norms(norm_type))
+        module = self.lightning_module
+        order = {name: index for index, (name, _) in enumerate(module.named_parameters())} if module else {}
+        names = sorted(norms, key=lambda name: order.get(name, len(order)))
+        result = {f"grad_{norm_type}_norm{group_separator}{name}": norms[name] for name in names}
+        if norms:
+            result[f"grad_{norm_type}_norm_total"] = torch.stack([norms[name] for name in names]).norm(norm_type)
+        return result
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -1303,6 +1321,21 @@ class ZeroStrategy(ParallelStrategy):
 
 def _do_nothing(*args: Any) -> None:
     pass
+
+
+def grad_norm(module: Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Tensor]:
+    """Lightning's ``grad_norm`` for a module trained by a :class:`ZeroStrategy`: each parameter's
+    gradient norm and the total, from the reduced gradient shards (the parameters' ``.grad`` is
+    None at stages 1-3, so Lightning's own returns nothing). A collective: call it on every rank,
+    in ``on_before_optimizer_step``, e.g. ``self.log_dict(grad_norm(self, norm_type=2))``. Under any
+    other strategy it is Lightning's."""
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    if isinstance(strategy, ZeroStrategy) and strategy.zero_optimizers:
+        return strategy.grad_norm(norm_type, group_separator)
+    from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+    return lightning_grad_norm(module, norm_type, group_separator)  # type: ignore[return-value]
 
 
 def _auto_fp16_loss_scale(settings: DeepSpeedSettings | None, flag: str) -> LossScaleConfig | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 import pytest
 import torch
 from torch import Tensor, nn
@@ -28,7 +29,7 @@ from harness import launched_environment, run_on_ranks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 from model import GPT  # noqa: E402
 
-from lightning_zero import CPUOffloadPolicy, ParallelConfig, ZeroConfig, ZeroStrategy  # noqa: E402
+from lightning_zero import CPUOffloadPolicy, ParallelConfig, ZeroConfig, ZeroStrategy, grad_norm  # noqa: E402
 from lightning_zero.parallel import hf_gpt2_state_dict_to_hf, parallelize_gpt, parallelize_hf_gpt2  # noqa: E402
 
 WORLD = 4
@@ -73,6 +74,18 @@ class TensorParallelGPT(RecordsLosses, GPT):
         if mesh is not None and "tensor" in (mesh.mesh_dim_names or ()) and mesh["tensor"].size() > 1:
             parallelize_gpt(self, mesh["tensor"])
 
+
+
+class NormsGPT(TensorParallelGPT):
+    """Logs lightning_zero.grad_norm at every step: each split weight's norm is over both tensor ranks'
+    parts, each replicated one counted once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.norms.append({key: float(value) for key, value in grad_norm(self, 2).items()})
 
 
 class SequenceParallelGPT(TensorParallelGPT):
@@ -178,7 +191,7 @@ class ConvertedHFGPT2(HFGPT2):
         parallelize_hf_gpt2(self.model, mesh["tensor"] if split else None)
 
 
-MODELS = {"gpt": TensorParallelGPT, "hf_gpt2": HFGPT2, "hf_gpt2_converted": ConvertedHFGPT2, "gpt_meta": MetaGPT, "gpt_sp": SequenceParallelGPT,
+MODELS = {"gpt": TensorParallelGPT, "gpt_norms": NormsGPT, "hf_gpt2": HFGPT2, "hf_gpt2_converted": ConvertedHFGPT2, "gpt_meta": MetaGPT, "gpt_sp": SequenceParallelGPT,
           "gpt_frozen": FrozenGPT}
 
 
@@ -211,7 +224,8 @@ def _run(name: str, config: ZeroConfig, data_size: int, steps: int = STEPS, samp
         bytes_ = strategy.model_state_bytes()
         if ckpt_save is not None:
             trainer.save_checkpoint(ckpt_save)
-    return {"losses": module.losses, "params": _local_params(module, strategy), "bytes": bytes_,
+    return {"losses": module.losses, "norms": getattr(module, "norms", None),
+            "params": _local_params(module, strategy), "bytes": bytes_,
             "dims": strategy.parallel_dims, "initial": getattr(module, "initial", None), "saved": ckpt_save}
 
 
@@ -298,6 +312,8 @@ def _all_cases(tmp: str) -> dict[str, Any]:
             name, ZeroConfig(stage=2, offload_optimizer=offload, parallel=tp2), data_size=2)
         results[f"{name}-tp2-zero3_offload"] = _run(
             name, ZeroConfig(stage=3, offload_optimizer=offload, offload_params=offload, parallel=tp2), data_size=2)
+    for stage in (2, 3):
+        results[f"gpt_norms-tp2-zero{stage}"] = _run("gpt_norms", ZeroConfig(stage=stage, parallel=tp2), data_size=2)
     # Gradient accumulation (micro-batches reduced once per step) and low precision on the mesh.
     results["gpt-tp2-zero3-accumulate"] = _run("gpt", ZeroConfig(stage=3, parallel=tp2), data_size=2, accumulate=2)
     results["gpt-hybrid-zero2-accumulate"] = _run("gpt", ZeroConfig(stage=2, parallel=ParallelConfig(shard_size=2)),
@@ -348,10 +364,12 @@ def _all_cases(tmp: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- reference
-def reference(name: str, steps: int = STEPS, samples: int = 256) -> tuple[list[float], dict[str, Tensor]]:
+def reference(name: str, steps: int = STEPS, samples: int = 256,
+              norms: list[dict[str, float]] | None = None) -> tuple[list[float], dict[str, Tensor]]:
     """One process, the global batch of 8, plain AdamW. Lightning shuffles a training loader
     with a DistributedSampler seeded by its epoch; rank r takes every R-th index of the
-    permutation, so a global batch is 8 consecutive indices of it."""
+    permutation, so a global batch is 8 consecutive indices of it. ``norms`` collects Lightning's
+    grad_norm of each step."""
     module = MODELS[name]()
     optimizer = module.configure_optimizers()
     data = token_data(samples)
@@ -362,6 +380,8 @@ def reference(name: str, steps: int = STEPS, samples: int = 256) -> tuple[list[f
         order = torch.randperm(samples, generator=torch.Generator().manual_seed(epoch))
         loss = module._loss(data[order[index * 2 * PER_RANK_BATCH : (index + 1) * 2 * PER_RANK_BATCH]])
         loss.backward()
+        if norms is not None:
+            norms.append({key: float(value) for key, value in lightning_grad_norm(module, 2).items()})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -399,6 +419,19 @@ def _compare_weights(name: str, whole: dict[str, Tensor], expected: dict[str, Te
     for key, value in whole.items():
         assert value.shape == expected[key].shape, key
         torch.testing.assert_close(value, expected[key], atol=TOLERANCE, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grad_norm_on_the_mesh_equals_one_processs(results: list[dict[str, Any]], stage: int) -> None:
+    """lightning_zero.grad_norm on dp2 x tp2: every rank logs the whole model's per-parameter norms."""
+    expected: list[dict[str, float]] = []
+    reference("gpt", norms=expected)
+    for rank in results:
+        norms = rank[f"gpt_norms-tp2-zero{stage}"]["norms"]
+        assert len(norms) == len(expected) == STEPS
+        for ours, theirs in zip(norms, expected):
+            assert ours.keys() == theirs.keys()
+            assert all(ours[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6) for k in theirs), (ours, theirs)
 
 
 @pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])

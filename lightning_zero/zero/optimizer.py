@@ -701,6 +701,47 @@ class ShardedOptimizer(Optimizer):
             norm = power.pow(1.0 / norm_type)
         return self._unscaled(norm)
 
+    @_on_the_optimizer
+    @torch.no_grad()
+    def grad_norms(self, norm_type: float = 2.0) -> dict[str, Tensor]:
+        """Each trained parameter's gradient norm, by name: of the averaged, unscaled gradient, as
+        ``param.grad.norm(norm_type)`` reads under DDP, from every rank's shard (a collective over the
+        engine's group and the tensor-parallel group: every rank calls it). One all-reduce for all
+        of them. Under a pipeline each stage has the norms of its own parameters."""
+        self.finish_grad_sync()
+        norm_type = float(norm_type)
+        infinite = math.isinf(norm_type)
+        tensor_sharded = self.collectives.step_groups.tensor_sharded
+        local: dict[str, Tensor] = {}
+        sharded: set[str] = set()
+        zero = torch.zeros((), device=self.comm_device)
+        for piece in (piece for tile in self.layout.tiles() for piece in tile.pieces):
+            part = zero
+            if piece.holder.grad is not None and piece.master.numel():
+                grad = piece.in_holder.slice(piece.holder.grad).to(self.comm_device, torch.float32)
+                part = grad.abs().max() if infinite else grad.abs().pow(norm_type).sum()
+            previous = local.get(piece.name)
+            local[piece.name] = part if previous is None else (
+                torch.maximum(previous, part) if infinite else previous + part)
+            if piece.param in tensor_sharded:
+                sharded.add(piece.name)
+        if not local:
+            return {}
+        names = list(local)
+        values = torch.stack([local[name] for name in names])
+        op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+        self.collectives.all_reduce(values, op)
+        # Parts of tensor-parallel shards combine over the tensor group too; replicated parameters
+        # count once (see [Note: a step over the mesh] in comm.py). Every rank of that group holds
+        # the same names, so the vectors line up.
+        mask = torch.tensor([name in sharded for name in names], device=values.device)
+        over_tensor = torch.where(mask, values, torch.zeros_like(values))
+        self.collectives.all_reduce_tensor_parallel(over_tensor, op)
+        values = torch.where(mask, over_tensor, values)
+        norms = values if infinite else values.pow(1.0 / norm_type)
+        norms = self._unscaled(norms)
+        return dict(zip(names, norms.unbind()))
+
     def _local_max(self, grads: Sequence[Tensor]) -> Tensor:
         partials = [g.abs().max().to(self.comm_device, torch.float32) for g in grads if g.numel()]
         return torch.stack(partials).max() if partials else torch.zeros((), device=self.comm_device)
