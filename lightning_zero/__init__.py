@@ -20,7 +20,7 @@ from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig,
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.profiling import MemoryBreakdown, MemoryEstimate, estimate_memory
 from lightning_zero.fabric import ZeroFabricPrecision, ZeroFabricStrategy
-from lightning_zero.strategy import ZeroStrategy, grad_norm
+from lightning_zero.strategy import ZeroStrategy, gather_after_error, grad_norm
 from lightning_zero.zero.consistency import RanksDisagreeError
 from lightning_zero.zero import (
     Collectives,
@@ -73,6 +73,7 @@ __all__ = [
     "consolidate",
     "consolidate_hf",
     "estimate_memory",
+    "gather_after_error",
     "grad_norm",
     "model_state_bytes",
     "read_deepspeed_config",

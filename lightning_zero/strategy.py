@@ -9,6 +9,7 @@ see [Note: one engine protocol] in zero/engine.py) and hands each optimizer from
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import fields, replace
@@ -416,6 +417,9 @@ class ZeroStrategy(ParallelStrategy):
             # Trainer(sync_batchnorm=True): before the engine takes the parameters, as DDP converts
             # before wrapping; reverted at teardown.
             self.model = self._layer_sync.apply(self.model)
+        # A module an earlier stage-3 run left in pieces on an error is whole again first (a
+        # collective: every rank is here), see [Note: pieces after an error].
+        gather_after_error(self.lightning_module)
         # Before the first collective that depends on the model (see [Note: ranks that disagree]).
         # A module an earlier pipelined run split holds one rank's layers: ranks differ by design.
         if not is_split(self.lightning_module):
@@ -1245,11 +1249,14 @@ class ZeroStrategy(ParallelStrategy):
         restore_fp32 = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
         if self._interrupted() and not self._failed_on_every_rank:
             # After an error (perhaps on one rank only) no collective may run: it could hang.
+            module = self.lightning_module
             if self._engine is not None:
                 self._engine.remove_hooks()
+                if self.config.stage == 3 and module is not None and not _has_meta_tensors(module):
+                    _leave_in_pieces(module, self._engine, restore_fp32)
                 self._engine = None
             restore_fp32 = False
-            if self.lightning_module is not None and _has_meta_tensors(self.lightning_module):
+            if module is not None and _has_meta_tensors(module):
                 self._teardown_without_moving_the_module()
                 return
         if self._engine is not None:
@@ -1321,6 +1328,42 @@ class ZeroStrategy(ParallelStrategy):
 
 def _do_nothing(*args: Any) -> None:
     pass
+
+
+# [Note: pieces after an error]
+# At stage 3 each rank holds one piece of every parameter; teardown gathers them back into whole
+# tensors, a collective. After an error the strategy cannot know whether every rank stopped at the
+# same point (an exception on one rank leaves the others inside a collective), so it gathers
+# nothing: the module keeps this rank's pieces, 1-d, which a user catching the error would save or
+# train on again (the next fit then failed, naming a rank-dependent model). The engine that knows
+# the pieces is kept with the module instead (_PIECES_AFTER_ERROR, weakly), a warning says so, and
+# gather_after_error(module) gathers the module back whole when every rank calls it: the next
+# fit/validate/test/predict on the module calls it first, as its setup is a point every rank
+# reaches together. A -mixed run hands the fp32 masters back, as its teardown would have.
+_PIECES_AFTER_ERROR: weakref.WeakKeyDictionary[Module, tuple[ZeroEngine, bool]] = weakref.WeakKeyDictionary()
+
+
+def _leave_in_pieces(module: Module, engine: ZeroEngine, from_master: bool) -> None:
+    _PIECES_AFTER_ERROR[module] = (engine, from_master)
+    rank_zero_warn(
+        f"After the error, {type(module).__name__}'s parameters are each rank's piece of them (ZeRO stage 3): gathering"
+        " them back is a collective, which is not safe after an error that other ranks may not share. The next"
+        " trainer.fit/validate/test/predict of this module gathers them back first; to use it outside a Trainer,"
+        " call lightning_zero.gather_after_error(module) on every rank.")
+
+
+def gather_after_error(module: Module) -> bool:
+    """Gathers back whole the parameters a stage-3 run stopped by an error left as each rank's
+    piece (see [Note: pieces after an error]); returns whether there was anything to gather. A
+    collective: call it on every rank, together."""
+    entry = _PIECES_AFTER_ERROR.pop(module, None)
+    if entry is None:
+        return False
+    engine, from_master = entry
+    engine.gather_to_cpu(from_master=from_master)
+    if from_master:
+        cast_norm_statistics(module, torch.float32)
+    return True
 
 
 def grad_norm(module: Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Tensor]:

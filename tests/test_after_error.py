@@ -1,0 +1,95 @@
+"""A stage-3 run stopped by an error (raised on every rank) leaves each rank's piece of every
+parameter; gather_after_error, or the module's next fit, gathers them back whole, so catching the
+error and going on behaves as under DDP ([Note: pieces after an error] in strategy.py). 2 gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from harness import run_on_ranks
+from lightning_zero import ZeroConfig, ZeroStrategy, gather_after_error
+from models import TinyGPT, fit, params_of
+
+WORLD = 2
+
+
+class FailsAtStep2(TinyGPT):
+    fail = True
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if self.fail and self.global_step == 2:
+            raise ValueError("the user's error at step 2")
+        return super().training_step(batch, batch_idx)
+
+
+def _run(make: Any, precision: str, explicit: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = FailsAtStep2()
+    try:
+        fit(module, make(), WORLD, steps=5, precision=precision)
+    except ValueError as error:
+        assert "the user's error at step 2" in str(error)
+    after_error = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    gathered = gather_after_error(module) if explicit else None
+    whole_after_error = params_of(module) if explicit else None
+    module.fail = False
+    fit(module, make(), WORLD, steps=3, precision=precision)
+    return {"shapes_after_error": after_error, "gathered": gathered, "whole_after_error": whole_after_error,
+            "final": params_of(module), "again": gather_after_error(module)}
+
+
+def _two_steps(make: Any, precision: str) -> dict[str, Tensor]:
+    """What the module holds after a run that ended normally after the two steps the failing one took."""
+    torch.manual_seed(0)
+    module = FailsAtStep2()
+    fit(module, make(), WORLD, steps=2, precision=precision)
+    return params_of(module)
+
+
+def _cases(_: Any) -> dict[str, Any]:
+    stage3 = lambda: ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=1))  # noqa: E731
+    return {
+        "ddp": _run(lambda: "ddp", "32-true", explicit=True),
+        "zero3": _run(stage3, "32-true", explicit=True),
+        "zero3_next_fit": _run(stage3, "32-true", explicit=False),
+        "zero3_bf16": _run(stage3, "bf16-mixed", explicit=True),
+        "zero3_bf16_two_steps": _two_steps(stage3, "bf16-mixed"),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_on_ranks(_cases, WORLD, None)
+
+
+def _close(a: dict[str, Tensor], b: dict[str, Tensor], tolerance: float) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.allclose(a[k], b[k], atol=tolerance)
+                                        for k in a)
+
+
+def test_gather_after_error_hands_back_what_ddp_holds(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        ours, theirs = rank["zero3"], rank["ddp"]
+        assert ours["shapes_after_error"] != theirs["shapes_after_error"]  # the pieces: 1-d
+        assert ours["gathered"] is True and theirs["gathered"] is False
+        assert _close(ours["whole_after_error"], theirs["whole_after_error"], 1e-5)
+        assert _close(ours["final"], theirs["final"], 1e-5)
+        assert ours["again"] is False
+
+
+def test_after_a_mixed_precision_error_the_fp32_masters_come_back(ranks: list[dict[str, Any]]) -> None:
+    """As the teardown of a run that ended there would hand them back: fp32, from the masters."""
+    for rank in ranks:
+        whole, ended = rank["zero3_bf16"]["whole_after_error"], rank["zero3_bf16_two_steps"]
+        assert whole.keys() == ended.keys()
+        assert all(whole[k].dtype == torch.float32 and torch.equal(whole[k], ended[k]) for k in whole)
+
+
+def test_the_next_fit_gathers_the_pieces_first(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert rank["zero3_next_fit"]["gathered"] is None
+        assert _close(rank["zero3_next_fit"]["final"], rank["ddp"]["final"], 1e-5)
