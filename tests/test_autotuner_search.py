@@ -5,11 +5,14 @@ data whose batch size cannot be set."""
 from __future__ import annotations
 
 import itertools
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from harness import run_on_ranks
 from lightning_zero import ZeroConfig
 from lightning_zero.autotuning import (
     Candidate,
@@ -165,6 +168,26 @@ def test_the_guard_on_one_rank_and_what_counts_as_out_of_memory() -> None:
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB"))
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def _guard_timeouts(init_file: str) -> tuple[Any, Any, Any]:
+    import torch.distributed as dist
+
+    from lightning_zero.zero.comm import _timeout_of
+
+    # The run's own timeout, as ZeroStrategy(timeout=...) gives the world group.
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=42))
+    return (_timeout_of(TrialGuard()._group), _timeout_of(None),
+            _timeout_of(TrialGuard(timeout=timedelta(seconds=7))._group))
+
+
+def test_the_guards_group_waits_as_long_as_the_users(tmp_path: Path) -> None:
+    """It took torch's default timeout of a new group (30 min), not the one the user gave the run."""
+    default, world, given = run_on_ranks(_guard_timeouts, 2, str(tmp_path / "init"))[0]
+    assert world == default == timedelta(seconds=42) and given == timedelta(seconds=7)
 
 
 @pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "optimizer"), (3, "params")])

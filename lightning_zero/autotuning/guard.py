@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.zero.comm import GLOO_HELD, Collectives, Handle, StepGroups
+from lightning_zero.zero.comm import GLOO_HELD, Collectives, Handle, StepGroups, _timeout_of
 
 FINE, FAILED = 0, 1
 
@@ -54,10 +55,15 @@ class TrialGuard:
     """The guard exchanges of one search (see [Note: a trial that fails on one rank]). Built on
     every rank together: it makes its own gloo group over the world."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        """``timeout``: of the guard's exchanges; by default the world group's (the user's), not
+        torch's default of a new group, so that a rank that never joins one ends the run when the
+        user's timeout says."""
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world_size > 1 else 0
-        self._group = dist.new_group(backend="gloo") if self.world_size > 1 else None
+        self._group = None
+        if self.world_size > 1:
+            self._group = dist.new_group(backend="gloo", timeout=timeout if timeout is not None else _timeout_of(None))
         self._tripped = False
         self.exchanges = 0  # guard exchanges this trial (the cost, and a test's handle)
 
