@@ -42,6 +42,34 @@ def _run(make: Any, precision: str, explicit: bool) -> dict[str, Any]:
             "final": params_of(module), "again": gather_after_error(module)}
 
 
+class FailsMidBackward(TinyGPT):
+    """Raises from inside backward at step 2, with reductions of later units already in flight."""
+
+    fail = True
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.fail and self.global_step == 2:
+            self.block.linear1.weight.register_hook(self._raise)
+        return loss
+
+    def _raise(self, grad: Tensor) -> None:
+        if self.fail:
+            raise ValueError("the user's error inside backward")
+
+
+def _mid_backward(make: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = FailsMidBackward()
+    try:
+        fit(module, make(), WORLD, steps=5)
+    except ValueError as error:
+        assert "inside backward" in str(error)
+    module.fail = False
+    fit(module, make(), WORLD, steps=3)
+    return {"shapes": {n: tuple(p.shape) for n, p in module.named_parameters()}, "final": params_of(module)}
+
+
 def _two_steps(make: Any, precision: str) -> dict[str, Tensor]:
     """What the module holds after a run that ended normally after the two steps the failing one took."""
     torch.manual_seed(0)
@@ -58,6 +86,7 @@ def _cases(_: Any) -> dict[str, Any]:
         "zero3_next_fit": _run(stage3, "32-true", explicit=False),
         "zero3_bf16": _run(stage3, "bf16-mixed", explicit=True),
         "zero3_bf16_two_steps": _two_steps(stage3, "bf16-mixed"),
+        "zero3_mid_backward": _mid_backward(stage3),
     }
 
 
@@ -93,3 +122,10 @@ def test_the_next_fit_gathers_the_pieces_first(ranks: list[dict[str, Any]]) -> N
     for rank in ranks:
         assert rank["zero3_next_fit"]["gathered"] is None
         assert _close(rank["zero3_next_fit"]["final"], rank["ddp"]["final"], 1e-5)
+
+
+def test_an_error_inside_backward_leaves_a_module_the_next_fit_takes(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        after = rank["zero3_mid_backward"]
+        assert after["shapes"] == {n: tuple(p.shape) for n, p in TinyGPT().named_parameters()}
+        assert all(torch.isfinite(value).all() for value in after["final"].values())
