@@ -53,9 +53,9 @@ from lightning_zero.checkpoint.checksums import CheckpointError
 from lightning_zero.checkpoint.full import load_full_checkpoint
 from lightning_zero.checkpoint.sharded import (
     META_KEY,
+    commit_checkpoint,
     read_metadata,
     is_sharded_checkpoint,
-    replace_with_file,
     resolve_checkpoint_path,
     save_sharded,
     whole_save_plan,
@@ -970,7 +970,7 @@ class ZeroStrategy(ParallelStrategy):
             staging = whole_staging_path(target)
             super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
             if self.is_global_zero:
-                replace_with_file(staging, target)
+                commit_checkpoint(staging, target)
             self.barrier("lightning_zero.whole_save")
             return None
         if storage_options is not None:

@@ -34,8 +34,9 @@ previous checkpoint untouched at its name, and the partial directory is removed 
 Only a checkpoint (or an empty directory) is replaced: a directory that holds anything else is the
 user's (a run's root directory, a dataset), and the save refuses it on every rank before writing.
 A whole checkpoint (one file, ``state_dict_type="full"``) saved where a sharded one is replaces it
-the same way (:func:`replace_with_file`): Lightning's own file save would move its file into the
-directory and report success, leaving the old checkpoint at the name.
+the same way (:func:`commit_checkpoint`, whose exchange swaps a file with a directory as well):
+Lightning's own file save would move its file into the directory and report success, leaving the
+old checkpoint at the name.
 """
 
 from __future__ import annotations
@@ -302,8 +303,7 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], group: dist.Pro
     with quiet_dcp():
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
     if rank == 0:
-        _commit(staging, target)
-        _fsync_directory(target.parent)  # the rename itself survives a power cut
+        commit_checkpoint(staging, target)
     if distributed:
         dist.barrier(group=group)
 
@@ -323,8 +323,14 @@ def _not_replaceable(target: Path, kind: str = "a sharded checkpoint") -> str | 
     )
 
 
+def commit_checkpoint(staging: Path, target: Path) -> None:
+    """Puts the complete checkpoint ``staging`` (a directory, or a whole checkpoint's file) at
+    ``target``; the old one survives any crash, at ``.<name>.previous`` between two renames."""
+    _commit(staging, target)
+    _fsync_directory(target.parent)  # the rename itself survives a power cut
+
+
 def _commit(staging: Path, target: Path) -> None:
-    """Puts the complete checkpoint ``staging`` at ``target``; the old one survives any crash."""
     previous = _previous_path(target)
     if not target.exists() and not target.is_symlink():
         os.rename(staging, target)
@@ -344,7 +350,7 @@ def _commit(staging: Path, target: Path) -> None:
 def whole_save_plan(target: Path) -> tuple[str, str | None]:
     """How a whole (one-file) checkpoint is saved at ``target``: ("write", None) where nothing or a
     file is; ("replace", None) where a sharded checkpoint or an empty directory is (write beside it,
-    then :func:`replace_with_file`); ("refuse", why) where a directory holds anything else."""
+    then :func:`commit_checkpoint`); ("refuse", why) where a directory holds anything else."""
     if not target.is_dir():
         return "write", None
     refusal = _not_replaceable(target, kind="a whole checkpoint file")
@@ -354,19 +360,6 @@ def whole_save_plan(target: Path) -> tuple[str, str | None]:
 def whole_staging_path(target: Path) -> Path:
     """Where a whole checkpoint bound for the directory ``target`` is written first."""
     return target.parent / f".{target.name}.partial-file"
-
-
-def replace_with_file(written: Path, target: Path) -> None:
-    """Puts the complete checkpoint file ``written`` where the directory ``target`` is (see [Note:
-    atomic save]): a crash between the renames leaves the old one at ``.<name>.previous``, which
-    :func:`resolve_checkpoint_path` falls back to."""
-    previous = _previous_path(target)
-    if previous.exists() or previous.is_symlink():
-        _remove(previous)
-    os.rename(target, previous)
-    os.rename(written, target)
-    _remove(previous)
-    _fsync_directory(target.parent)
 
 
 def _fsync_directory(directory: Path) -> None:
