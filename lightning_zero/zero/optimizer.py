@@ -714,12 +714,10 @@ class ShardedOptimizer(Optimizer):
         tensor_sharded = self.collectives.step_groups.tensor_sharded
         local: dict[str, Tensor] = {}
         sharded: set[str] = set()
-        zero = torch.zeros((), device=self.comm_device)
         for piece in (piece for tile in self.layout.tiles() for piece in tile.pieces):
-            part = zero
-            if piece.holder.grad is not None and piece.master.numel():
-                grad = piece.in_holder.slice(piece.holder.grad).to(self.comm_device, torch.float32)
-                part = grad.abs().max() if infinite else grad.abs().pow(norm_type).sum()
+            # Reduced where the shard lives (the CPU under offload); only the scalar moves.
+            grads = [piece.in_holder.slice(piece.holder.grad)] if piece.holder.grad is not None else []
+            part = self._local_max(grads) if infinite else self._local_power_sum(grads, norm_type)
             previous = local.get(piece.name)
             local[piece.name] = part if previous is None else (
                 torch.maximum(previous, part) if infinite else previous + part)
