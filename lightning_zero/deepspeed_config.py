@@ -117,10 +117,12 @@ _UNUSED_ZERO: dict[str, str] = {
 }
 # zero_optimization switches that are always on here: true is accepted silently, false is listed.
 _ALWAYS_ON = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions")
-_ZERO_KEYS = frozenset({
+# zero_optimization keys read at every stage, and the stage3_* ones read at stage 3.
+_ZERO_READ = frozenset({
     "stage", "reduce_bucket_size", "allgather_bucket_size", "mics_shard_size", "offload_optimizer", "offload_param",
-    "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "stage3_param_persistence_threshold",
-    "stage3_prefetch_bucket_size", "stage3_max_live_parameters", *_ALWAYS_ON, *_UNUSED_ZERO})
+    "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", *_ALWAYS_ON})
+_STAGE3_READ = ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_max_live_parameters")
+_ZERO_KEYS = frozenset({*_ZERO_READ, *_STAGE3_READ, *_UNUSED_ZERO})  # every key DeepSpeed knows there
 _OFFLOAD_UNUSED = {
     "buffer_count": "not needed (no NVMe)", "buffer_size": "not needed (no NVMe)",
     "max_in_cpu": "not needed (no NVMe)", "fast_init": "not needed", "nvme_path": "NVMe offload is not implemented",
@@ -466,9 +468,7 @@ class _Reader:
         else:
             for key in stage3_keys:
                 self.unused[f"zero_optimization.{key}"] = f"applies to stage 3 only (stage={stage})"
-        known = {"stage", "reduce_bucket_size", "allgather_bucket_size", "mics_shard_size", "offload_optimizer",
-                 "offload_param", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", *_ALWAYS_ON,
-                 *stage3_keys}
+        known = {*_ZERO_READ, *stage3_keys}
         for key in values:
             if key in known:
                 continue
@@ -502,8 +502,7 @@ class _Reader:
                 elements = min(elements, live)
             kwargs["prefetch_bytes"] = elements * itemsize
         for key in values:
-            if key.startswith("stage3_") and key not in _UNUSED_ZERO and key not in (
-                    "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+            if key.startswith("stage3_") and key not in _UNUSED_ZERO and key not in _STAGE3_READ:
                 self.note_unknown(f"zero_optimization.{key}", _ZERO_KEYS)
         return kwargs
 
