@@ -143,9 +143,8 @@ def check_export_target(source: Path, target: Path, overwrite: bool, what: str) 
     """Refuses an export target that would damage a checkpoint (the source or a file inside any
     sharded checkpoint) or, without ``overwrite``, replace an existing file."""
     resolved = target.resolve()
+    # The source is a sharded checkpoint itself (its metadata was read), so this finds it too.
     inside = next((parent for parent in (resolved, *resolved.parents) if is_sharded_checkpoint(parent)), None)
-    if resolved == source.resolve() or source.resolve() in resolved.parents:
-        inside = source
     if inside is not None:
         raise CheckpointError(
             f"{target} is inside the sharded checkpoint {inside}: writing there would damage it. Write the export"
