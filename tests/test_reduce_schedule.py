@@ -1160,3 +1160,37 @@ def test_parts_are_written_first_and_what_no_gradient_reached_is_sent_as_zeros(k
     # local_grad() (the generic path) hands out a buffer whose unwritten parts are zeros.
     reduction.add_to_part(0, torch.ones(4))
     assert torch.equal(reduction.local_grad(), torch.tensor([0.0, 0, 0, 1, 1, 1, 1, 0]))
+
+
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
+def test_a_unit_of_frozen_parameters_holds_no_master_gradient(precision: torch.dtype) -> None:
+    """A frozen backbone's units are never reduced into nor stepped: their master gradient takes
+    no memory (the trained unit's does), the step trains the rest, and the frozen weights keep
+    their values, read from the masters as a checkpoint reads them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(False)
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    config = ZeroConfig(stage=3, min_unit_numel=1, param_persistence_threshold=0, prefetch_units=1, prefetch_bytes=0)
+    fake = FakeCollectives(world_size=1)
+    engine = Zero3Engine(model, fake, config, param_dtype=precision, device=CPU)  # type: ignore[arg-type]
+    engine.shard()
+    engine.install_hooks()
+    optimizer = Zero3Optimizer(torch.optim.AdamW(model.parameters(), lr=0.1), engine, config)
+    held = {unit.name: unit.master_grad.untyped_storage().nbytes() for unit in engine.units}
+    trained = [unit.name for unit in engine.units if unit.trainable_count]
+    assert len(trained) == 1 and len(held) == 3
+    assert all(nbytes <= 4 for name, nbytes in held.items() if name not in trained)
+    assert held[trained[0]] == 4 * engine.units[-1].shard_numel
+    for _ in range(2):
+        model(torch.randn(4, 8, dtype=precision)).float().pow(2).sum().backward()
+        engine.end_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    masters = {piece.name: piece.holder.reshape(before[piece.name].shape) for piece in engine.param_pieces()}
+    for name, value in before.items():
+        if name.startswith(("0.", "1.")):
+            assert torch.equal(masters[name], value), name  # frozen: as built, at full precision
+        else:
+            assert not torch.equal(masters[name], value), name  # trained

@@ -138,7 +138,8 @@ class Zero3Layout:
         grads: list[Tensor | None] = [unit.master_grad for unit in self.units]
         grads += [unit.grad_data for unit in self.units]
         params = [unit.shard for unit in self.engine.units]
-        return params, grads, [unit.master for unit in self.units if unit.master is not unit.shard]
+        # Every unit's master, a frozen unit's too: it holds the frozen weights at full precision.
+        return params, grads, [unit.master for unit in self.engine.units if unit.master is not unit.shard]
 
     # ------------------------------------------------------------------ gradients
     @contextlib.contextmanager

@@ -183,11 +183,17 @@ class ShardedUnit:
         self.master_dtype = master_dtype(param_dtype)
         same = param_dtype == self.master_dtype and master_device == shard_device
         self.master = self.shard if same else _zeros(shard_offset, self.master_dtype, master_device, pin)
-        self.master_grad = _zeros(shard_offset, self.master_dtype, master_device, pin)
+        # A unit of frozen parameters only (a frozen backbone's blocks) is never reduced into nor
+        # stepped: its master gradient is zeros with no memory behind them (a stride-0 view, which
+        # the pieces' holders can still slice), and it has no staging. Its master stays: checkpoints
+        # read the frozen weights from it, at full precision.
+        trained = any(param.requires_grad for _, param in named_params)
+        self.master_grad = _zeros(shard_offset, self.master_dtype, master_device, pin) if trained else \
+            torch.zeros((), dtype=self.master_dtype, device=master_device).expand(shard_offset)
         # Offloaded, low-precision: the CPU step writes the rounded pieces here (the shard itself
         # when it lives on the CPU too), and they are copied to the device shard from here.
         self.staging: Tensor | None = None
-        if offloaded and param_dtype != self.master_dtype:
+        if offloaded and trained and param_dtype != self.master_dtype:
             self.staging = self.shard if shard_device.type == "cpu" else _zeros(shard_offset, param_dtype, CPU, pin)
         # The full buffer exists from the start with its final size but no storage: parameters can
         # be views of it before any unit is allocated, so the model is never whole.
