@@ -23,14 +23,25 @@ TOLERANCE = 0.05  # relative, per category: padding to a multiple of the ranks a
 WIDTH = 128
 
 
-def cases() -> list[tuple[int, str, str]]:
+def cases() -> list[tuple[int, str, str, bool]]:
+    """(stage, precision, offload, frozen): frozen freezes the embedding and the block, as a fine-tuning would."""
     out = []
     for stage in (1, 2, 3):
         for precision in ("32-true", "bf16-mixed"):
             for offload in ("none", "optimizer", "params"):
                 if offload != "params" or stage == 3:
-                    out.append((stage, precision, offload))
+                    out.append((stage, precision, offload, False))
+    out += [(1, "bf16-mixed", "none", True), (2, "32-true", "optimizer", True), (3, "bf16-mixed", "none", True),
+            (3, "32-true", "params", True), (3, "bf16-mixed", "optimizer", True)]
     return out
+
+
+def tiny_gpt(frozen: bool) -> TinyGPT:
+    module = TinyGPT(width=WIDTH)
+    if frozen:
+        module.embed.requires_grad_(False)
+        module.block.requires_grad_(False)
+    return module
 
 
 def config_of(stage: int, offload: str) -> ZeroConfig:
@@ -38,11 +49,11 @@ def config_of(stage: int, offload: str) -> ZeroConfig:
     return ZeroConfig(stage=stage, offload_optimizer=policy, offload_params=policy if offload == "params" else None)
 
 
-def _measure() -> list[tuple[int, str, str, tuple[int, int, int]]]:
+def _measure() -> list[tuple[int, str, str, bool, tuple[int, int, int]]]:
     out = []
-    for stage, precision, offload in cases():
+    for stage, precision, offload, frozen in cases():
         torch.manual_seed(0)
-        module = TinyGPT(width=WIDTH)
+        module = tiny_gpt(frozen)
         strategy = ZeroStrategy(config=config_of(stage, offload))
         measured: dict[str, Any] = {}
 
@@ -56,29 +67,30 @@ def _measure() -> list[tuple[int, str, str, tuple[int, int, int]]]:
                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[AfterStep()])
             trainer.fit(module, train_dataloaders=loader())
         state = measured["bytes"]
-        out.append((stage, precision, offload, (state.params, state.grads, state.optimizer_states)))
+        out.append((stage, precision, offload, frozen, (state.params, state.grads, state.optimizer_states)))
     return out
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict[int, list[tuple[int, str, str, tuple[int, int, int]]]]:
+def measured() -> dict[int, list[tuple[int, str, str, bool, tuple[int, int, int]]]]:
     return {world: run_on_ranks(_measure, world)[0] for world in (2, 4)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_model_state_estimate_matches_measurement(measured: dict[int, Any], world: int) -> None:
-    """Stages 1-3 x {fp32, bf16-mixed} x {no offload, optimizer, parameters}: each category of
-    the estimate within 5% of what the rank holds after optimizer steps."""
+    """Stages 1-3 x {fp32, bf16-mixed} x {no offload, optimizer, parameters}, and a model with
+    frozen parts: each category of the estimate within 5% of what the rank holds after optimizer
+    steps."""
     errors = []
-    for stage, precision, offload, got in measured[world]:
-        estimate = estimate_memory(TinyGPT(width=WIDTH), world, config_of(stage, offload), precision, device_type="cpu")
+    for stage, precision, offload, frozen, got in measured[world]:
+        estimate = estimate_memory(tiny_gpt(frozen), world, config_of(stage, offload), precision, device_type="cpu")
         device, host = estimate.device, estimate.host
         expected = (device.params + host.params, device.grads + host.grads,
                     device.optimizer_states + host.optimizer_states)
         for name, value, want in zip(("params", "grads", "optimizer"), got, expected):
             error = abs(value - want) / value
             errors.append(error)
-            assert error <= TOLERANCE, (world, stage, precision, offload, name, value, want)
+            assert error <= TOLERANCE, (world, stage, precision, offload, frozen, name, value, want)
         assert sum(got) == pytest.approx(estimate.model_states, rel=TOLERANCE)
     print(f"world {world}: largest relative error {max(errors):.2e}")
 
@@ -152,6 +164,46 @@ def test_bad_input_is_refused_with_the_fix() -> None:
         ZeroConfig(stage=2, offload_optimizer=CPUOffloadPolicy(), offload_params=CPUOffloadPolicy())
     with pytest.raises(ValueError, match="needs the model itself"):
         estimate_memory(1000, 2, sample_batch=torch.zeros(1))
+    # A module whose layers configure_model() builds has none yet: a message, not an estimate of 0 bytes.
+    with pytest.raises(ValueError, match=r"has no parameters \(yet\).*configure_model\(\)"):
+        estimate_memory(torch.nn.Module(), 2)
+    with pytest.raises(ValueError, match="frozen_params=5.*is for a parameter count"):
+        estimate_memory(model, 2, frozen_params=5)
+    with pytest.raises(ValueError, match="frozen_params=-1"):
+        estimate_memory(1000, 2, frozen_params=-1)
+
+
+def test_frozen_parameters_are_held_not_trained() -> None:
+    """[Note: memory of one rank]: frozen elements cost their parameter bytes (and at stage 3 the
+    unit's master and master gradient), never moments; a module and its counts agree; Lightning's
+    short precision flags are the long ones."""
+    psi, frozen, n = 10**6, 4 * 10**6, 4
+    for stage in (1, 2):
+        with_frozen = estimate_memory(psi, n, ZeroConfig(stage=stage), "bf16-mixed", frozen_params=frozen)
+        alone = estimate_memory(psi, n, ZeroConfig(stage=stage), "bf16-mixed")
+        assert with_frozen.device.params - alone.device.params == 2 * frozen
+        assert (with_frozen.device.grads, with_frozen.device.optimizer_states) == (
+            alone.device.grads, alone.device.optimizer_states)
+    # Counted frozen parameters sit in units of their own: a master each, no master gradient.
+    stage3 = estimate_memory(psi, n, ZeroConfig(stage=3), "bf16-mixed", frozen_params=frozen)
+    assert (stage3.device.params, stage3.device.grads, stage3.device.optimizer_states) == (
+        2 * (psi + frozen) // n, 4 * psi // n, 4 * (psi + frozen) // n + 8 * psi // n)
+    assert stage3.frozen_params == frozen and stage3.num_params == psi
+    module = tiny_gpt(frozen=True)
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    held = sum(p.numel() for p in module.parameters()) - trained
+    from_module = estimate_memory(module, n, ZeroConfig(stage=1), "bf16")
+    from_counts = estimate_memory(trained, n, ZeroConfig(stage=1), "bf16-mixed", frozen_params=held)
+    assert (from_module.num_params, from_module.frozen_params, from_module.precision) == (trained, held, "bf16-mixed")
+    assert from_module.model_states == from_counts.model_states
+    # Stage 3, one unit per block: the frozen block is a unit of its own (no master gradient); the
+    # frozen embedding shares the root unit's with the trained norm and head.
+    blocks = ZeroConfig(stage=3, unit_modules=("TransformerEncoderLayer",), param_persistence_threshold=0)
+    embedding = module.embed.weight.numel()
+    assert estimate_memory(module, n, blocks, "bf16").device.grads == 4 * -(-(trained + embedding) // n)
+    assert not any("trainable" in note for note in from_module.notes)
+    module.requires_grad_(False)
+    assert any("no trainable parameters" in note for note in estimate_memory(module, n).notes)
 
 
 def test_estimate_command_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:

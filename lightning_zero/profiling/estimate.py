@@ -31,6 +31,13 @@ stage      parameters          gradients             optimizer state (master + K
   largest units at once (P each; at most the whole model), and reduces a unit's gradient (R)
   before it is scattered (on the CPU two of the largest, kept for reuse).
 
+Frozen parameters (``requires_grad=False``, Ψf elements) have no gradient and no optimizer state,
+but the engine still holds them: at stages 1/2 whole on every rank (P Ψf, outside the flat buffers),
+at stage 3 inside their unit like any other parameter (P Ψf/N for the shard, and 4 Ψf/N for the
+unit's fp32 master where it is not the shard). A unit that also trains some parameter has one master
+gradient over all of them, frozen ones too (4 Ψf/N more); a unit of frozen parameters only has none.
+Given as a count, frozen parameters are taken to sit in units of their own (a frozen backbone).
+
 These are the tensors :func:`~lightning_zero.zero.accounting.model_state_bytes` counts for
 parameters, gradients and optimizer state (the tests compare the two on 2 and 4 ranks); padding
 each bucket (stages 1/2) or unit (stage 3) to a multiple of N adds at most N - 1 elements each.
@@ -51,6 +58,8 @@ from torch import nn
 from lightning_zero.config import ZeroConfig
 
 PARAM_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
+# The short flags a Trainer takes for the same modes (Lightning maps them alike).
+PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES = 4
 
@@ -85,6 +94,7 @@ class MemoryEstimate:
     num_params: int  # trainable parameter elements of the whole model
     device: MemoryBreakdown
     host: MemoryBreakdown
+    frozen_params: int = 0  # elements of parameters with requires_grad=False (held, never stepped)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -102,37 +112,50 @@ def estimate_memory(
     sample_batch: Any = None,
     optimizer_moments: int = 2,
     device_type: str = "cuda",
+    frozen_params: int = 0,
 ) -> MemoryEstimate:
     """One rank's memory for ``model`` (a module, or a trainable parameter count) sharded over
     ``world_size`` data-parallel ranks with ``config`` (stage, offload, bucket, unit and prefetch
-    sizes) and ``precision`` (a Trainer precision flag). ``sample_batch`` (one micro-batch, with a
-    module) measures the activations; ``optimizer_moments`` is the fp32 state per element (Adam: 2,
-    SGD with momentum: 1); ``device_type`` is where training runs ("cpu": offloaded state shares the
-    training device's memory). Plain PyTorch: no process group, no Trainer."""
+    sizes) and ``precision`` (a Trainer precision flag). A module's frozen parameters count as
+    held, not trained; with a count, ``frozen_params`` gives theirs. ``sample_batch`` (one
+    micro-batch, with a module) measures the activations; ``optimizer_moments`` is the fp32 state
+    per element (Adam: 2, SGD with momentum: 1); ``device_type`` is where training runs ("cpu":
+    offloaded state shares the training device's memory). Plain PyTorch: no process group, no
+    Trainer."""
     config = config if config is not None else ZeroConfig()
-    _check_inputs(model, world_size, config, precision, optimizer_moments, device_type)
+    precision = PRECISION_ALIASES.get(str(precision), precision)
+    _check_inputs(model, world_size, config, precision, optimizer_moments, device_type, frozen_params)
     if isinstance(model, nn.Module):
-        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        params = list(dict.fromkeys(model.parameters()))  # a tied weight is held once
+        numel = sum(p.numel() for p in params if p.requires_grad)
+        frozen = sum(p.numel() for p in params if not p.requires_grad)
+        frozen_beside_trained = _frozen_in_trained_units(model, config) if config.stage == 3 else 0
     else:
-        numel = int(model)
+        numel, frozen, frozen_beside_trained = int(model), frozen_params, 0
     n, p_bytes = world_size, PARAM_BYTES[precision]
     r_bytes = _DTYPE_BYTES[config.reduce_dtype]
-    shard = math.ceil(numel / n)
     notes: list[str] = []
+    if numel == 0:
+        notes.append("no trainable parameters: nothing to step (only the frozen ones are held)")
     device, host = _Bytes(), _Bytes()
     offload_ratio = config.offload_optimizer.ratio if config.offload_optimizer is not None else 0.0
-    on_host = shard * offload_ratio
-    on_device = shard - on_host
+    # Stage 3's masters span every unit's frozen parameters, its master gradients those of the trained units.
+    mastered = numel + frozen if config.stage == 3 else numel
+    graded = numel + frozen_beside_trained
+    shard, mastered_shard = math.ceil(numel / n), math.ceil(mastered / n)
+    on_host, mastered_on_host = shard * offload_ratio, mastered_shard * offload_ratio
+    on_device, mastered_on_device = shard - on_host, mastered_shard - mastered_on_host
+    graded_on_host = math.ceil(graded / n) * offload_ratio
 
-    # optimizer state: K moments per master element, where the masters live
+    # optimizer state: K moments per trained master element, where the masters live
     device.optimizer_states += 4 * optimizer_moments * on_device
     host.optimizer_states += 4 * optimizer_moments * on_host
     # master gradients (every stage): fp32, beside the masters
-    device.grads += MASTER_BYTES * on_device
-    host.grads += MASTER_BYTES * on_host
+    device.grads += MASTER_BYTES * (math.ceil(graded / n) - graded_on_host)
+    host.grads += MASTER_BYTES * graded_on_host
 
     if config.stage in (1, 2):
-        device.params += p_bytes * numel
+        device.params += p_bytes * (numel + frozen)  # frozen parameters stay whole, outside the buckets
         device.optimizer_states += MASTER_BYTES * on_device
         host.optimizer_states += MASTER_BYTES * on_host
         buckets = min(numel, config.bucket_size_for(numel, "gloo" if device_type == "cpu" else None))
@@ -151,26 +174,26 @@ def estimate_memory(
     else:
         params_on_host = config.offload_params is not None
         persistent = _persistent_numel(model, config)  # whole on every rank, never offloaded
-        (host if params_on_host else device).params += p_bytes * math.ceil((numel - persistent) / n)
+        (host if params_on_host else device).params += p_bytes * math.ceil((mastered - persistent) / n)
         device.params += p_bytes * persistent
         # The parameter shard is the master when it is fp32 and on the master's device.
         shard_on_host = params_on_host and device_type != "cpu"
-        for placed, part in ((device, on_device), (host, on_host)):
+        for placed, part in ((device, mastered_on_device), (host, mastered_on_host)):
             master_on_host = placed is host and device_type != "cpu"
             if not (p_bytes == MASTER_BYTES and master_on_host == shard_on_host):
                 placed.optimizer_states += MASTER_BYTES * part
-        unit = _largest_unit_numel(model, config, numel)
+        unit = _largest_unit_numel(model, config)
         if unit is None:
-            unit = min(numel, config.min_unit_numel)
+            unit = min(mastered, config.min_unit_numel)
             notes.append(f"stage-3 unit size not known from a parameter count: assumed {unit:,} elements"
                          " (ZeroConfig.min_unit_numel)")
         prefetch = config.prefetch_units if config.prefetch_bytes is None else max(
             0, config.prefetch_bytes // max(1, p_bytes * unit))
         # The unit being computed and those prefetched, but never more than the whole model.
-        gathered = min(numel - persistent, unit * (1 + prefetch))
+        gathered = min(mastered - persistent, unit * (1 + prefetch))
         # A unit's gradient before it is reduced; on the CPU two of them stay for reuse (one
         # accumulating, one in flight: see [Note: reused gradient buffers] in zero/reduce.py).
-        reducing = min(numel, 2 * unit) if device_type == "cpu" else unit
+        reducing = min(mastered, 2 * unit) if device_type == "cpu" else unit
         device.comm_buffers += p_bytes * gathered + r_bytes * reducing
         if config.offload_optimizer is not None and p_bytes < MASTER_BYTES and not shard_on_host \
                 and device_type != "cpu":
@@ -181,7 +204,7 @@ def estimate_memory(
     if device_type == "cpu":
         notes.append("device_type='cpu': 'device' and 'host' are the same memory")
     return MemoryEstimate(
-        world_size=world_size, stage=config.stage, precision=precision, num_params=numel,
+        world_size=world_size, stage=config.stage, precision=precision, num_params=numel, frozen_params=frozen,
         device=device.breakdown(activations), host=host.breakdown(None if activations is None else 0),
         notes=tuple(notes),
     )
@@ -200,27 +223,48 @@ class _Bytes:
 
 
 def _persistent_numel(model: nn.Module | int, config: ZeroConfig) -> int:
-    """Stage 3: the elements of parameters under ``param_persistence_threshold`` (kept whole)."""
+    """Stage 3: the elements of parameters under ``param_persistence_threshold`` (kept whole,
+    frozen or not)."""
     if not isinstance(model, nn.Module) or not config.param_persistence_threshold:
         return 0
-    return sum(p.numel() for p in dict.fromkeys(model.parameters())
-               if p.requires_grad and p.numel() < config.param_persistence_threshold)
+    return sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.numel() < config.param_persistence_threshold)
 
 
-def _largest_unit_numel(model: nn.Module | int, config: ZeroConfig, numel: int) -> int | None:
-    """The largest stage-3 unit's elements, from the module's own unit choice (None for a count)."""
+def _frozen_in_trained_units(model: nn.Module, config: ZeroConfig) -> int:
+    """Stage 3: elements of frozen parameters in units that train some parameter too (they share
+    its master gradient), with the units chosen as the engine chooses them."""
+    from lightning_zero.zero.stage3 import partition
+
+    units = partition.choose_unit_modules(model, config.unit_modules, config.min_unit_numel)
+    # A parameter belongs to the first module that registers it; a unit holds one dtype.
+    by_unit: dict[tuple[str | None, torch.dtype], dict[nn.Parameter, None]] = {}
+    seen: set[nn.Parameter] = set()
+    for prefix, submodule in model.named_modules():
+        for param in submodule.parameters(recurse=False):
+            if param in seen:
+                continue
+            seen.add(param)
+            small = param.numel() < config.param_persistence_threshold
+            by_unit.setdefault((None if small else partition.innermost_prefix(prefix, units), param.dtype), {})[param] = None
+    return sum(p.numel() for params in by_unit.values() if any(p.requires_grad for p in params)
+               for p in params if not p.requires_grad)
+
+
+def _largest_unit_numel(model: nn.Module | int, config: ZeroConfig) -> int | None:
+    """The largest stage-3 unit's elements (frozen parameters included: they are gathered too),
+    from the module's own unit choice (None for a count)."""
     if not isinstance(model, nn.Module):
         return None
-    from lightning_zero.zero.stage3.partition import choose_unit_modules, innermost_prefix
+    from lightning_zero.zero.stage3 import partition
 
-    units = choose_unit_modules(model, config.unit_modules, config.min_unit_numel)
+    units = partition.choose_unit_modules(model, config.unit_modules, config.min_unit_numel)
     sizes: dict[str, int] = {}
     seen: set[nn.Parameter] = set()
     for name, param in model.named_parameters():
-        if param in seen or not param.requires_grad or param.numel() < config.param_persistence_threshold:
+        if param in seen or param.numel() < config.param_persistence_threshold:
             continue
         seen.add(param)
-        owner = innermost_prefix(name.rpartition(".")[0], units)
+        owner = partition.innermost_prefix(name.rpartition(".")[0], units)
         sizes[owner] = sizes.get(owner, 0) + param.numel()
     return max(sizes.values(), default=0)
 
@@ -271,14 +315,27 @@ class _quiet_log:
 
 
 def _check_inputs(model: nn.Module | int, world_size: int, config: ZeroConfig, precision: str,
-                  optimizer_moments: int, device_type: str) -> None:
-    if not isinstance(model, nn.Module) and (isinstance(model, bool) or not isinstance(model, int) or model < 1):
+                  optimizer_moments: int, device_type: str, frozen_params: int) -> None:
+    if isinstance(model, nn.Module):
+        if next(model.parameters(), None) is None:
+            raise ValueError(
+                f"estimate_memory(model=<{type(model).__name__}>): the module has no parameters (yet). A model"
+                " whose layers are built in configure_model() needs it called first (under"
+                " `with torch.device('meta'):` it allocates nothing), or give its parameter count."
+            )
+        if frozen_params:
+            raise ValueError(f"estimate_memory(frozen_params={frozen_params!r}) is for a parameter count: a module's"
+                             " frozen parameters are counted from it.")
+    elif isinstance(model, bool) or not isinstance(model, int) or model < 1:
         raise ValueError(f"estimate_memory(model={model!r}): give an nn.Module or a positive parameter count.")
+    if isinstance(frozen_params, bool) or not isinstance(frozen_params, int) or frozen_params < 0:
+        raise ValueError(f"estimate_memory(frozen_params={frozen_params!r}) must be a count >= 0 of frozen elements.")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"estimate_memory(world_size={world_size!r}) must be a positive number of ranks.")
     if precision not in PARAM_BYTES:
         raise ValueError(
-            f"estimate_memory(precision={precision!r}) is not supported: use one of {', '.join(map(repr, PARAM_BYTES))}."
+            f"estimate_memory(precision={precision!r}) is not supported: use one of"
+            f" {', '.join(map(repr, [*PARAM_BYTES, *PRECISION_ALIASES]))}."
         )
     if isinstance(optimizer_moments, bool) or not isinstance(optimizer_moments, int) or optimizer_moments < 0:
         raise ValueError(
