@@ -56,6 +56,19 @@ def _profile(tmp: str) -> dict[str, Any]:
             "log_dir": trainer.logger.log_dir if trainer.global_rank == 0 else None,
             "seconds": profiler.sampling_seconds,
         }
+    # Fine-tuning at stage 3: embedding and block frozen, one unit per block (named by class).
+    profiler, state = ZeroMemoryProfiler(plots=False, log_metrics=False, output_dir=os.path.join(tmp, "frozen")), StateBytes()
+    module = TinyGPT(width=64)
+    module.embed.requires_grad_(False)
+    module.block.requires_grad_(False)
+    with launched_environment():
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=dist.get_world_size(), max_steps=2, callbacks=[profiler, state], logger=False,
+            strategy=ZeroStrategy(config=ZeroConfig(stage=3, unit_modules=("TransformerEncoderLayer",))),
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module, train_dataloaders=loader())
+    out["frozen"] = {"estimate": profiler.estimate, "state": state.by_step[1]}
     return out
 
 
@@ -85,7 +98,7 @@ def test_every_rank_and_phase_reach_the_csv_and_plots(profiled: list[dict[str, A
     assert {(row["rank"], row["phase"]) for row in rows} == {(r, p) for r in "01" for p in ("forward", "backward", "step")}
     forward = [row for row in rows if row["phase"] == "forward"]
     assert all(int(row["activations"]) > 0 for row in forward)
-    assert all(int(row["rss"]) > 0 for row in rows)
+    assert all(int(row["peak_rss"]) >= int(row["rss"]) > 0 for row in rows)  # the mark bounds the size
     for png in files[1:]:
         with open(png, "rb") as image:
             assert image.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -118,6 +131,20 @@ def test_estimate_beside_the_measurement(profiled: list[dict[str, Any]]) -> None
         measured = sum(last[k] for k in ("params_device", "params_host", "grads_device", "grads_host",
                                          "optimizer_device", "optimizer_host"))
         assert measured == pytest.approx(estimate.model_states, rel=0.05)
+
+
+def test_estimate_of_a_fine_tuning_with_frozen_parameters(profiled: list[dict[str, Any]]) -> None:
+    """Frozen parameters are held (at stage 3 with their unit's master and master gradient), not
+    trained: each category of the estimate within 5% of what the rank holds; the units the
+    strategy was told of size the estimate (no guessed unit size)."""
+    for rank in profiled:
+        estimate, state = rank["frozen"]["estimate"], rank["frozen"]["state"]
+        assert estimate.frozen_params > estimate.num_params > 0
+        expected = (estimate.device.params + estimate.host.params, estimate.device.grads + estimate.host.grads,
+                    estimate.device.optimizer_states + estimate.host.optimizer_states)
+        for measured, want in zip(state, expected):
+            assert measured == pytest.approx(want, rel=0.05)
+        assert not any("unit size not known" in note for note in estimate.notes)
 
 
 def test_cuda_snapshot_without_cuda_warns(tmp_path: Any) -> None:
@@ -175,8 +202,19 @@ def test_no_hook_outlives_a_failed_step(tmp_path: Any) -> None:
     assert storage_key(nested) is None or isinstance(storage_key(nested), int)  # never raises
 
 
-def test_bad_arguments() -> None:
+def test_bad_arguments(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="every_n_steps=0"):
         ZeroMemoryProfiler(every_n_steps=0)
     with pytest.raises(ValueError, match="cuda_snapshot_steps=-1"):
         ZeroMemoryProfiler(cuda_snapshot_steps=-1)
+    with pytest.raises(ValueError, match=r"output_dir=5\) must be a directory path"):
+        ZeroMemoryProfiler(output_dir=5)  # type: ignore[arg-type]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    with pytest.raises(ValueError, match=r"a_file'\) is a file, not a directory"):
+        ZeroMemoryProfiler(output_dir=a_file)
+    # A directory that cannot be made stops the run before training, not after it (the profile lost).
+    profiler = ZeroMemoryProfiler(output_dir=a_file / "memory", plots=False)
+    with pytest.raises(ValueError, match=r"output_dir=...\): .*a_file/memory' cannot be made a directory"):
+        _fit_alone(TinyGPT(width=16), profiler, tmp_path, max_steps=2)
+    assert profiler.samples == [] and a_file.read_text() == "mine"

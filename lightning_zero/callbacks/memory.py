@@ -4,6 +4,7 @@ logged, tabled beside the estimate, written as CSV and PNG plots."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,12 @@ class ZeroMemoryProfiler(Callback):
         for name, value, least in (("every_n_steps", every_n_steps, 1), ("cuda_snapshot_steps", cuda_snapshot_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"ZeroMemoryProfiler({name}={value!r}) must be an integer >= {least}.")
+        if output_dir is not None:
+            if isinstance(output_dir, bool) or not isinstance(output_dir, (str, os.PathLike)):
+                raise ValueError(f"ZeroMemoryProfiler(output_dir={output_dir!r}) must be a directory path (str or Path).")
+            if Path(output_dir).exists() and not Path(output_dir).is_dir():
+                raise ValueError(f"ZeroMemoryProfiler(output_dir={str(output_dir)!r}) is a file, not a directory: give"
+                                 " the directory the CSV and plots should go into.")
         self.every_n_steps = every_n_steps
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.log_metrics = log_metrics
@@ -94,6 +101,11 @@ class ZeroMemoryProfiler(Callback):
         self.sampling_seconds = 0.0
         self.estimate = self._estimate(trainer)
         self._out = self._directory(trainer)  # on every rank: trainer.log_dir is a collective
+        # Before training, on every rank together: a directory that cannot be written would lose the profile at the end.
+        refusal = _unwritable(self._out) if trainer.global_rank == 0 else None
+        refusal = trainer.strategy.broadcast(refusal, src=0)
+        if refusal is not None:
+            raise ValueError(f"ZeroMemoryProfiler(output_dir=...): {refusal}")
         if self.cuda_snapshot_steps:
             if trainer.strategy.root_device.type == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -189,17 +201,23 @@ class ZeroMemoryProfiler(Callback):
             Console().print("ZeroMemoryProfiler: no training batch was sampled (no CSV or plots written).")
             return
         directory = self._out if self._out is not None else Path(trainer.default_root_dir) / "memory"
-        self.files = [write_csv(self.samples, directory / "memory.csv")]
-        if self.plots:
-            try:
-                self.files += write_plots(self.samples, directory)
-            except ImportError:
-                rank_zero_warn("ZeroMemoryProfiler(plots=True) needs matplotlib (pip install lightning-zero[profiling]):"
-                               " no PNG written.")
         console = Console()
         console.print(comparison_table(self.samples, self.estimate))
         if self.estimate is not None and self.estimate.notes:
             console.print("estimate: " + "; ".join(self.estimate.notes))
+        try:
+            self.files = [write_csv(self.samples, directory / "memory.csv")]
+            if self.plots:
+                try:
+                    self.files += write_plots(self.samples, directory)
+                except ImportError:
+                    rank_zero_warn("ZeroMemoryProfiler(plots=True) needs matplotlib (pip install"
+                                   " lightning-zero[profiling]): no PNG written.")
+        except OSError as error:
+            # The run is over: its result stays, and the samples stay on the callback (``samples``).
+            rank_zero_warn(f"ZeroMemoryProfiler could not write into {str(directory)!r} ({error}); the samples are"
+                           " still in the callback's `samples`. Give output_dir= a writable directory.")
+            return
         console.print("memory profile: " + ", ".join(str(path) for path in self.files))
 
     # ------------------------------------------------------------------ helpers
@@ -210,13 +228,12 @@ class ZeroMemoryProfiler(Callback):
         config = getattr(strategy, "config", None)
         if engine is None or config is None or getattr(strategy, "parallel_dims", None) is not None:
             return None
-        numel = sum(piece.numel for piece in engine.param_pieces())
-        if numel == 0:
-            return None
         precision = str(trainer.precision)
         try:
-            return estimate_memory(numel, trainer.world_size, config, precision,
-                                   device_type="cuda" if strategy.root_device.type == "cuda" else "cpu")
+            # The module as the user built it: frozen parameters told apart, stage-3 units chosen as the engine did.
+            with engine.true_shapes():
+                return estimate_memory(trainer.lightning_module, trainer.world_size, config, precision,
+                                       device_type="cuda" if strategy.root_device.type == "cuda" else "cpu")
         except ValueError as error:
             log.warning(f"ZeroMemoryProfiler: no estimate ({error})")
             return None
@@ -255,6 +272,17 @@ class ZeroMemoryProfiler(Callback):
         torch.cuda.memory._record_memory_history(enabled=None)
         self._snapshot_open = False
         print(f"rank {trainer.global_rank}: CUDA memory snapshot written to {path} (open it at https://pytorch.org/memory_viz)")
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why the profile cannot go into ``directory`` (made if missing), or None."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"{str(directory)!r} cannot be made a directory ({error}). Give a writable directory."
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{str(directory)!r} is not writable. Give a writable directory."
+    return None
 
 
 __all__ = ["ZeroMemoryProfiler"]

@@ -101,13 +101,16 @@ def gradient_buffer_bytes(engine: Any) -> int:
 
 
 def process_memory() -> tuple[int, int]:
-    """(resident bytes now, the high-water mark) of this process."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    """(resident bytes now, the high-water mark) of this process. Both from /proc/self/status on
+    Linux: the kernel updates the mark getrusage reports (ru_maxrss) only now and then, so beside
+    the current size from statm it read lower than the size it should bound."""
     try:
-        with open("/proc/self/statm") as statm:
-            pages = int(statm.read().split()[1])
-        return pages * resource.getpagesize(), peak
-    except (OSError, ValueError, IndexError):
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS:", "VmHWM:")))
+        rss, peak = (int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))  # kB
+        return rss, max(peak, rss)
+    except (OSError, ValueError, KeyError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
         return peak, peak
 
 
