@@ -11,6 +11,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_zero.autotuning.report import output_refusal
 from lightning_zero.autotuning.space import OFFLOADS, SearchSpace, parse_bytes
 from lightning_zero.checkpoint.checksums import CheckpointError, reason
 from lightning_zero.checkpoint.consolidate import DTYPES, consolidate
@@ -91,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--budget", help="bytes per rank, e.g. 8GiB (default: the device's memory; on CPU the host's,"
                                        " shared by its ranks)")
-    tune.add_argument("--output", default="zero_tuned.yaml", help="where the tuned config is written")
+    tune.add_argument("--output", default="zero_tuned.yaml",
+                      help="where the tuned config is written (an existing file only if an earlier tuning wrote it)")
+    tune.add_argument("--overwrite", action="store_true", help="replace an existing --output file whoever wrote it")
     tune.add_argument("--method", choices=["fast", "grid"], default="fast", help="grid: try every configuration")
     # Comma-separated, not nargs="+": a list option would swallow SCRIPT after it.
     tune.add_argument("--micro-batch-sizes", type=_integers, help="micro-batch sizes to consider, e.g. 8,16,32")
@@ -132,9 +135,13 @@ def _tune(args: argparse.Namespace) -> int:
     for name in ("warmup_steps", "measure_steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1.")
+    # An option given empty (`--stages ,`) reaches SearchSpace, which refuses it: not the defaults in its place.
     chosen = {name: values for name, values in (("micro_batch_sizes", args.micro_batch_sizes), ("stages", args.stages),
-                                                 ("offload", args.offload)) if values}
+                                                 ("offload", args.offload)) if values is not None}
     SearchSpace(**chosen)  # an empty space is a message now, not a traceback on every rank later
+    refusal = output_refusal(args.output, args.overwrite, flag="--overwrite")
+    if refusal is not None:
+        raise ValueError(f"--output: {refusal}")
     rest = list(args.script_args)
     if not rest or rest[0].startswith("-"):
         rest = ["fit", *rest]
@@ -143,7 +150,8 @@ def _tune(args: argparse.Namespace) -> int:
     prefix = "--trainer.callbacks"
     extra = [f"{prefix}+=lightning_zero.ZeroAutotuner", f"{prefix}.exit_on_error=true",
              f"{prefix}.output={args.output}", f"{prefix}.method={args.method}", f"{prefix}.apply={str(args.apply).lower()}",
-             f"{prefix}.warmup_steps={args.warmup_steps}", f"{prefix}.measure_steps={args.measure_steps}"]
+             f"{prefix}.warmup_steps={args.warmup_steps}", f"{prefix}.measure_steps={args.measure_steps}",
+             f"{prefix}.overwrite={str(args.overwrite).lower()}"]
     if args.budget is not None:
         extra.append(f"{prefix}.budget={args.budget}")
     for name, values in chosen.items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 
 from harness import launched_environment, run_on_ranks
-from tune_models import Blocks, BlocksData, DataBlocks, HFGPT2
+from tune_models import Blocks, BlocksData, DataBlocks, HFGPT2, LazyBlocks
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.autotuning import SearchSpace, TuningError
@@ -57,6 +58,9 @@ SEARCH = SearchSpace(micro_batch_sizes=(4, 8, 16), stages=(1, 2, 3), offload=("n
 def _budget_scenario(tmp: str) -> dict[str, Any]:
     budget = _budget_at_stage_1()
     out: dict[str, Any] = {"budget": budget}
+    if dist.get_rank() == 0:  # an earlier tuning's output: replaced without asking
+        Path(tmp, "fast.yaml").write_text("# Tuned by lightning_zero's ZeroAutotuner on 2000-01-01: old\nold: 1\n")
+    dist.barrier()
     for method in ("fast", "grid"):
         tuner = ZeroAutotuner(budget=budget, space=SEARCH, method=method, measure_steps=8,
                               output=os.path.join(tmp, f"{method}.yaml"))
@@ -64,8 +68,45 @@ def _budget_scenario(tmp: str) -> dict[str, Any]:
         with launched_environment():
             _trainer(tuner).fit(Blocks())
         out[method] = {"rows": _rows(tuner), "best": tuner.result.best.candidate, "trials": tuner.result.trials,
-                       "written": str(tuner.written)}
+                       "written": str(tuner.written), "content": Path(tmp, f"{method}.yaml").read_text()}
     return out
+
+
+def _output_scenario(tmp: str) -> dict[str, Any]:
+    """An output file the tuning did not write (here the run's own config) is kept: the search
+    stops before its first trial, unless overwrite=True."""
+    mine = Path(tmp, "mine.yaml")
+    if dist.get_rank() == 0:
+        mine.write_text("# my run\ntrainer:\n  max_steps: 7\n")
+    dist.barrier()
+    space = SearchSpace(micro_batch_sizes=(4,), stages=(2,), offload=("none",), reduce_bucket_sizes=(25_000_000,))
+    out: dict[str, Any] = {}
+    for overwrite in (False, True):
+        tuner = ZeroAutotuner(budget="4GiB", space=space, output=mine, overwrite=overwrite, progress=False)
+        try:
+            with launched_environment():
+                _trainer(tuner).fit(Blocks())
+            out[overwrite] = {"type": None}
+        except TuningError as error:
+            out[overwrite] = {"type": "TuningError", "message": str(error)}
+        out[overwrite].update(content=mine.read_text(), result=tuner.result is not None)
+        dist.barrier()
+    return out
+
+
+def _lazy_scenario(tmp: str) -> dict[str, Any]:
+    """Layers built in configure_model: the estimate sizes a copy built on the meta device."""
+    tuner = ZeroAutotuner(budget="4GiB", output=None, progress=False, space=SearchSpace(
+        micro_batch_sizes=(4,), stages=(2, 3), offload=("none",), reduce_bucket_sizes=(25_000_000,),
+        prefetch_units=(1,), min_unit_numels=(1_000_000,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with launched_environment():
+            _trainer(tuner).fit(LazyBlocks())
+    return {"estimates": [r.estimate_bytes for r in tuner.result.records],
+            "warned": [str(w.message) for w in caught if "no memory estimate" in str(w.message)],
+            "eager": [estimate_memory(Blocks(), WORLD, r.candidate.zero_config(ZeroConfig(stage=2)), device_type="cpu")
+                      .model_states for r in tuner.result.records]}
 
 
 def _oom_scenario(tmp: str) -> dict[str, Any]:
@@ -190,7 +231,7 @@ def _scenarios(tmp: str) -> dict[str, Any]:
     return {name: scenario(tmp) for name, scenario in (
         ("budget", _budget_scenario), ("oom", _oom_scenario), ("error", _error_scenario),
         ("small", _small_budget_scenario), ("apply", _apply_scenario), ("released", _released_scenario),
-        ("cli", _cli_scenario), ("hf", _hugging_face_scenario),
+        ("cli", _cli_scenario), ("hf", _hugging_face_scenario), ("output", _output_scenario), ("lazy", _lazy_scenario),
     )}
 
 
@@ -262,9 +303,9 @@ def test_a_budget_below_every_configuration_a_model_that_never_fits_and_an_unwri
         assert "1.0 MiB" in tiny["message"]
         assert all_oom["type"] == "TuningError" and "no configuration fits" in all_oom["message"]
         assert "OOM" in all_oom["message"]
-        unwritable = rank["small"]["unwritable"]
-        assert unwritable["type"] == "TuningError" and "could not write /proc/no-such-dir/tuned.yaml" \
-            in unwritable["message"]  # on every rank, not only the one that writes
+        unwritable = rank["small"]["unwritable"]  # refused before the first trial, on every rank
+        assert unwritable["type"] == "TuningError" and "'/proc/no-such-dir/tuned.yaml' cannot be written" \
+            in unwritable["message"]
         for case in (tiny, all_oom, unwritable):
             assert not case["written"] and case["batch_size"] == 4 and case["config"] == ZeroConfig(stage=2)
 
@@ -309,3 +350,25 @@ def test_zero_tuner_tunes_a_hugging_face_model(tuned: list[dict[str, Any]]) -> N
     assert 4 in {candidate.micro_batch_size for candidate, _ in hf["rows"]}
     assert hf["best"] == max(hf["rates"], key=lambda candidate: hf["rates"][candidate])
     assert "ZeroAutotuner" not in hf["callbacks"] and hf["steps"] == 0  # the tuner's callback is gone again
+
+
+def test_an_output_the_tuning_did_not_write_is_kept_unless_overwrite(tuned: list[dict[str, Any]]) -> None:
+    for rank in tuned:
+        kept, replaced = rank["output"][False], rank["output"][True]
+        assert kept["type"] == "TuningError" and "is not an earlier tuning's output: it is kept" in kept["message"]
+        assert "overwrite=True" in kept["message"] and not kept["result"]  # stopped before any trial
+        assert kept["content"] == "# my run\ntrainer:\n  max_steps: 7\n"
+        assert replaced["type"] is None and replaced["result"]
+        assert replaced["content"].startswith("# Tuned by lightning_zero's ZeroAutotuner")
+        # an earlier tuning's output is replaced without overwrite
+        assert "old: 1" not in rank["budget"]["fast"]["content"]
+        assert rank["budget"]["fast"]["content"].startswith("# Tuned by lightning_zero's ZeroAutotuner")
+
+
+def test_a_model_built_in_configure_model_is_estimated(tuned: list[dict[str, Any]]) -> None:
+    for rank in tuned:
+        lazy = rank["lazy"]
+        assert lazy["warned"] == []
+        assert lazy["estimates"] and all(estimate is not None for estimate in lazy["estimates"])
+        # the meta-built copy weighs what the eagerly built model does (plus activations)
+        assert all(estimate >= eager > 0 for estimate, eager in zip(lazy["estimates"], lazy["eager"]))

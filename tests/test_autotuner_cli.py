@@ -41,9 +41,12 @@ def test_bad_tune_arguments_are_messages_and_exit_2(tmp_path: Path) -> None:
         (("--stages", "1,2", "--offload", "params"), "holds no configuration: parameter offload ('params') needs stage 3"),
         (("--budget", "lots"), "--budget='lots' is not a number of bytes"),
         (("--micro-batch-sizes", "8,x"), "'8,x' is not a comma-separated list of integers"),
+        (("--micro-batch-sizes", ","), "SearchSpace.micro_batch_sizes is empty"),  # refused, not the defaults
+        (("--output", str(CONFIG)), "is not an earlier tuning's output: it is kept"),  # the run's own config
     ):
         done = _tune(tmp_path, *args)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "--overwrite" in done.stderr
 
 
 def test_tune_writes_a_config_the_script_trains(tmp_path: Path) -> None:

@@ -74,6 +74,20 @@ class Blocks(DataBlocks):
         return DataLoader(data(self.samples, self.width), batch_size=self.batch_size)
 
 
+class LazyBlocks(Blocks):
+    """Blocks whose layers configure_model() builds (the stage-3 pattern): none before setup."""
+
+    def __init__(self, depth: int = 4, hidden: int = 1024, **kwargs: Any) -> None:
+        super().__init__(depth=depth, hidden=hidden, **kwargs)
+        self.depth, self.hidden = depth, hidden
+        self.blocks = nn.Sequential()
+
+    def configure_model(self) -> None:
+        if len(self.blocks) == 0:
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(self.width, self.hidden), nn.ReLU(),
+                                                        nn.Linear(self.hidden, self.width)) for _ in range(self.depth)])
+
+
 class BlocksData(pl.LightningDataModule):
     def __init__(self, batch_size: int = 4, samples: int = 512, width: int = 256) -> None:
         super().__init__()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +105,49 @@ def _strategy_entry(previous: Any, config: ZeroConfig) -> dict[str, Any]:
     return {"class_path": STRATEGY_CLASS, "init_args": init_args}
 
 
+# A tuned YAML starts with this: an earlier tuning's output may be replaced, any other file is the user's.
+TUNED_MARK = "Tuned by lightning_zero's ZeroAutotuner"
+
+
+def output_refusal(path: str | Path, overwrite: bool, flag: str = "overwrite=True") -> str | None:
+    """Why the tuned YAML may not be written to ``path`` (None: it may): an existing file that an
+    earlier tuning did not write (the run's own ``--config``, say) is kept unless ``overwrite``."""
+    path = Path(path)
+    if path.is_dir():
+        return f"the output {str(path)!r} is a directory: give a file path for the tuned YAML."
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            return f"the output {str(path)!r} cannot be written: its directory cannot be made ({error})."
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            return f"the output {str(path)!r} cannot be written: its directory is not writable."
+        return None
+    if overwrite:
+        return None
+    try:
+        with path.open(encoding="utf-8", errors="replace") as file:
+            first = file.readline()
+    except OSError as error:
+        return f"the output {str(path)!r} exists and cannot be read ({error})."
+    if first.startswith(f"# {TUNED_MARK}"):
+        return None
+    return (f"the output {str(path)!r} exists and is not an earlier tuning's output: it is kept. Give another path,"
+            f" or pass {flag} to replace it.")
+
+
 def write_yaml(path: str | Path, content: dict[str, Any], header: str) -> Path:
+    """Writes ``header`` as comments, then ``content``; through a temporary file beside it, so that
+    a failed write leaves what was there."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     comment = "".join(f"# {line}\n" for line in header.splitlines())
-    path.write_text(comment + yaml.safe_dump(content, sort_keys=False, default_flow_style=False))
+    staging = path.with_name(f".{path.name}.tmp")
+    try:
+        staging.write_text(comment + yaml.safe_dump(content, sort_keys=False, default_flow_style=False))
+        staging.replace(path)
+    finally:
+        staging.unlink(missing_ok=True)
     return path
 
 
@@ -116,4 +155,4 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.1f}"
 
 
-__all__ = ["results_table", "tuned_yaml", "write_yaml", "zero_config_fields"]
+__all__ = ["TUNED_MARK", "output_refusal", "results_table", "tuned_yaml", "write_yaml", "zero_config_fields"]

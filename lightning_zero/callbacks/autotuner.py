@@ -42,7 +42,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.autotuning.guard import GuardedCollectives, PeerFailed, TrialGuard, is_out_of_memory
-from lightning_zero.autotuning.report import results_table, tuned_yaml, write_yaml
+from lightning_zero.autotuning.report import TUNED_MARK, output_refusal, results_table, tuned_yaml, write_yaml
 from lightning_zero.autotuning.search import Method, SearchResult, TrialRecord, TrialStatus, TuningError, search
 from lightning_zero.autotuning.space import Candidate, SearchSpace, parse_bytes, size_label
 from lightning_zero.config import ZeroConfig
@@ -78,7 +78,10 @@ class ZeroAutotuner(Callback):
         warmup_steps: optimizer steps each trial runs before measuring (its memory is sampled then).
         measure_steps: optimizer steps measured for the throughput.
         output: where the best configuration goes as LightningCLI YAML (None: not written). Run
-            under LightningCLI, it is the whole config of this run with the tuned values.
+            under LightningCLI, it is the whole config of this run with the tuned values. An
+            existing file there is replaced only if an earlier tuning wrote it; any other file (the
+            run's own ``--config``, say) stops the search before its first trial.
+        overwrite: replace an existing ``output`` whoever wrote it.
         apply: train on with the best configuration in this run; otherwise the run ends after the search.
         batch_arg_name: the attribute that holds the micro-batch size.
         progress: show a progress display and the results table (rank 0).
@@ -90,7 +93,7 @@ class ZeroAutotuner(Callback):
     def __init__(self, budget: int | float | str | None = None, space: SearchSpace | None = None,
                  method: Method = "fast", warmup_steps: int = 2, measure_steps: int = 3,
                  output: str | Path | None = "zero_tuned.yaml", apply: bool = False, batch_arg_name: str = "batch_size",
-                 progress: bool = True, exit_on_error: bool = False) -> None:
+                 progress: bool = True, exit_on_error: bool = False, overwrite: bool = False) -> None:
         self.budget = parse_bytes(budget) if budget is not None else None
         if isinstance(space, dict):  # a mapping from YAML
             space = SearchSpace(**space)
@@ -106,6 +109,7 @@ class ZeroAutotuner(Callback):
         self.warmup_steps = warmup_steps
         self.measure_steps = measure_steps
         self.output = Path(output) if output is not None else None
+        self.overwrite = overwrite
         self.apply = apply
         self.batch_arg_name = batch_arg_name
         self.progress = progress
@@ -141,6 +145,12 @@ class ZeroAutotuner(Callback):
                 "ZeroAutotuner searches plain ZeRO over every rank, but the strategy has a tensor-parallel, hybrid or"
                 " pipeline layout (ZeroConfig.parallel / pipeline). Tune without it, then add the layout back."
             )
+        if self.output is not None:
+            # Before any trial: a search whose result could not be written would be lost.
+            refusal = output_refusal(self.output, self.overwrite) if trainer.global_rank == 0 else None
+            refusal = strategy.broadcast(refusal, src=0)
+            if refusal is not None:
+                raise TuningError(f"ZeroAutotuner(output=...): {refusal}")
         batch = _BatchSize.find(trainer, pl_module, self.batch_arg_name, self.space)
         budget = self.budget if self.budget is not None else _default_budget(strategy)
         runner = _TrialRunner(trainer, pl_module, batch, budget, self.warmup_steps, self.measure_steps)
@@ -183,7 +193,7 @@ class ZeroAutotuner(Callback):
         base = _cli_config(trainer)
         content = tuned_yaml(result, config, batch.section, self.batch_arg_name, base)
         best = result.best
-        header = (f"Tuned by lightning_zero's ZeroAutotuner on {date.today().isoformat()}: {best.candidate.label},"
+        header = (f"{TUNED_MARK} on {date.today().isoformat()}: {best.candidate.label},"
                   f" {best.samples_per_sec:.1f} samples/s over every rank, peak {_mib(best.peak_bytes)} of the"
                   f" {_mib(result.budget)} budget per rank ({result.trials} trial(s), {result.method} search).")
         if base is None:
@@ -542,7 +552,13 @@ class _TrialRunner:
         self.device = strategy.root_device
         self.precision = str(trainer.precision)
         self.pristine = _detached_copy(module)
-        self.numel = sum(p.numel() for p in self.pristine.parameters() if p.requires_grad)
+        # What the estimate counts: the copy, or for layers built in configure_model a copy built on meta.
+        self.sized, why_unsized = _with_parameters(self.pristine)
+        if self.sized is None and trainer.global_rank == 0:
+            warnings.warn(f"ZeroAutotuner: no memory estimate ({why_unsized}), so none of the candidates is skipped"
+                          " as too large: each runs as a trial, and bucket and unit sizes are searched around their"
+                          " defaults.", stacklevel=2)
+        self.numel = sum(p.numel() for p in self.sized.parameters() if p.requires_grad) if self.sized is not None else 0
         self.activation_bytes_per_sample: float | None = None
         self._state_estimates: dict[ZeroConfig, int] = {}  # without activations, per configuration
         self.guard: TrialGuard | None = None
@@ -559,7 +575,7 @@ class _TrialRunner:
     def __exit__(self, *exc: object) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-        self.pristine = None  # type: ignore[assignment]
+        self.pristine = self.sized = None  # type: ignore[assignment]
         _release_memory(self.device)
 
     # ------------------------------------------------------------------ estimate
@@ -568,7 +584,7 @@ class _TrialRunner:
             return None
         config = candidate.zero_config(self.base)
         if config not in self._state_estimates:  # the search asks again and again: the model's part is fixed
-            estimate = estimate_memory(self.pristine, self.strategy.world_size, config, self.precision,
+            estimate = estimate_memory(self.sized, self.strategy.world_size, config, self.precision,
                                        device_type="cpu" if self.device.type == "cpu" else "cuda")
             self._state_estimates[config] = estimate.device.total + (
                 estimate.host.total if self.device.type == "cpu" else 0)
@@ -678,6 +694,24 @@ def _detached_copy(module: pl.LightningModule) -> pl.LightningModule:
         return copy.deepcopy(module)
     finally:
         module._trainer = trainer
+
+
+def _with_parameters(module: pl.LightningModule) -> tuple[pl.LightningModule | None, str]:
+    """``module`` if it has parameters; for one whose layers ``configure_model`` builds, a copy with
+    them built on the meta device (shapes only, no memory); None, and why, when neither has any."""
+    if next(module.parameters(), None) is not None:
+        return module, ""
+    if not is_overridden("configure_model", module, pl.LightningModule):
+        return None, "the LightningModule has no parameters"
+    probe = copy.deepcopy(module)
+    try:
+        with torch.device("meta"):
+            probe.configure_model()
+    except Exception as error:  # noqa: BLE001 - the hook may need the Trainer, files, ...: then no estimate
+        return None, f"the model's layers come from configure_model(), which failed on the meta device: {_first_line(error)}"
+    if next(probe.parameters(), None) is None:
+        return None, "the LightningModule has no parameters, even after configure_model()"
+    return probe, ""
 
 
 def _release_memory(device: torch.device) -> None:
