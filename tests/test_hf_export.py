@@ -250,6 +250,19 @@ def test_the_prefix_is_detected_only_for_checkpoints_a_trainer_wrote(tmp_path: P
     assert "has no config.json, which from_pretrained needs" in caplog.text
 
 
+def test_a_compiled_model_is_exported_under_the_keys_of_the_model_it_compiled(tmp_path: Path) -> None:
+    """`self.model = torch.compile(self.model)` (or a compiled block) saves `_orig_mod.` in the
+    keys; the export leaves it out, as from_pretrained needs."""
+    weight, bias = torch.randn(3, 2), torch.randn(3)
+    lightning = {"pytorch-lightning_version": "2.6.6", "global_step": 1}
+    compiled = _checkpoint(tmp_path / "compiled.ckpt", {"model._orig_mod.linear.weight": weight,
+                                                        "model._orig_mod.h.0._orig_mod.bias": bias}, {}, lightning)
+    exported = _exported_keys(consolidate_hf(compiled, tmp_path / "compiled", progress=False))
+    assert set(exported) == {"linear.weight", "h.0.bias"} and torch.equal(exported["linear.weight"], weight)
+    explicit = consolidate_hf(compiled, tmp_path / "explicit", strip_prefix="model._orig_mod.", progress=False)
+    assert set(_exported_keys(explicit)) == {"linear.weight", "h.0.bias"}
+
+
 def test_a_tied_weight_is_written_once_unless_what_it_is_tied_to_is_left_out(tmp_path: Path) -> None:
     embed, norm = torch.randn(5, 4), torch.randn(4)
     ckpt = _checkpoint(tmp_path / "tied.ckpt", {"model.embed.weight": embed, "model.norm.weight": norm},

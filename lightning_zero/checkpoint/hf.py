@@ -245,6 +245,14 @@ def _detected_prefix(meta: CheckpointMeta) -> str:
     return ""
 
 
+def _uncompiled(key: str) -> str:
+    """``key`` as the module had it before torch.compile: ``torch.compile(module)`` returns a
+    wrapper that holds the module as ``_orig_mod``, so a LightningModule that assigned it
+    (``self.model = torch.compile(self.model)``, or a compiled block) saves that segment in its keys,
+    which no Hugging Face model has: from_pretrained would match none of them."""
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
+
+
 def _exported_entries(source: Path, meta: CheckpointMeta, model: dict[str, Any],
                       strip_prefix: str | None) -> list[_Entry]:
     """The tensors to write, renamed, in state-dict order: the prefix stripped, ties left out."""
@@ -276,7 +284,7 @@ def _exported_entries(source: Path, meta: CheckpointMeta, model: dict[str, Any],
             continue
         if meta.aliases.get(key) in kept:
             continue  # a tied weight: written once, under the name it is tied to (see the note)
-        entries.append(dataclasses.replace(entry, key=key[len(prefix):]))
+        entries.append(dataclasses.replace(entry, key=_uncompiled(key[len(prefix):])))
     if not entries:
         raise CheckpointError(f"{source} holds no tensors to export.")
     return entries
