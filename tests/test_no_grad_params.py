@@ -137,6 +137,14 @@ class FinalOptimizerState(Callback):
         self.state = copy.deepcopy(optimizer.state_dict()) if trainer.is_global_zero else None
 
 
+class ZeroedNotNone(LayerDropGPT):
+    """Zeroes gradients with ``set_to_none=False``: a block skipped in a step keeps a zero gradient
+    and is stepped (weight decay, Adam's moments), as torch does."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+
 def _run(module_class: type, strategy: Any, accumulate: int) -> dict[str, Any]:
     pl.seed_everything(0)
     module = module_class()
@@ -202,6 +210,9 @@ def _cases() -> dict[str, Any]:
             out[f"{key}_ddp"] = _run(module_class, "ddp_find_unused_parameters_true", accumulate)
             for name, config in STRATEGIES.items():
                 out[f"{key}_{name}"] = _run(module_class, ZeroStrategy(config=ZeroConfig(**config)), accumulate)
+    out["zeroed_ddp"] = _run(ZeroedNotNone, "ddp_find_unused_parameters_true", 1)
+    for name in ("zero2", "zero3", "zero2_offload"):
+        out[f"zeroed_{name}"] = _run(ZeroedNotNone, ZeroStrategy(config=ZeroConfig(**STRATEGIES[name])), 1)
     for accumulate in (1, 2):
         out[f"sgd_acc{accumulate}_ddp"] = _run(SGDMoE, "ddp_find_unused_parameters_true", accumulate)
         for name in ("zero2", "zero3"):
@@ -262,6 +273,18 @@ def test_sgd_momentum_skips_parameters_without_gradient_like_ddp(
     zero, ddp = results[0][f"{key}_{strategy}"]["optimizer"], results[0][f"{key}_ddp"]["optimizer"]
     _assert_optimizer_states_match(zero, ddp)
     assert all("momentum_buffer" in entry for entry in ddp["state"].values())
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero2_offload"])
+def test_zero_grad_set_to_none_false_keeps_stepping_like_ddp(results: list[dict[str, Any]], strategy: str) -> None:
+    for per_rank in results:
+        _assert_matches(per_rank[f"zeroed_{strategy}"], per_rank["zeroed_ddp"])
+    zero, ddp = results[0][f"zeroed_{strategy}"]["optimizer"], results[0]["zeroed_ddp"]["optimizer"]
+    _assert_optimizer_states_match(zero, ddp)
+    # every parameter was stepped every step since its first gradient: fewer skips than with None
+    skipped = results[0]["layerdrop_acc1_ddp"]["optimizer"]["state"]
+    assert sum(float(entry["step"]) for entry in ddp["state"].values()) > sum(
+        float(entry["step"]) for entry in skipped.values())
 
 
 def test_the_models_exercise_the_cases(results: list[dict[str, Any]]) -> None:

@@ -10,7 +10,8 @@ optimizers whose update is elementwise, which :func:`check_shardable` enforces.
 
 [Note: parameters without a gradient]
 torch.optim skips a parameter whose ``.grad`` is None: no update, no weight decay, and its
-per-parameter state (Adam's ``step``, SGD's momentum) stays as it was. DDP with
+per-parameter state (Adam's ``step``, SGD's momentum) stays as it was; ``zero_grad(set_to_none=False)``
+leaves a zero ``.grad`` where there was one, so those parameters keep being stepped. DDP with
 ``find_unused_parameters=True`` leaves ``.grad`` None for a parameter no rank used since the
 last ``zero_grad``, and gives one that some ranks used their gradients averaged with zeros. ZeRO
 does the same: every step, one all-reduce of per-parameter "had a gradient" flags
@@ -19,7 +20,8 @@ masters are listed in the param groups for the step (``_trained_masters``). The 
 no all-reduce: the agreement every rank makes before a step (``agree_before_step`` in
 consistency.py, an exchange that runs anyway) carries one more value, whether this rank got a
 gradient for every parameter; when every rank did, the flags would be all ones, and the step takes
-them as such until the next ``zero_grad`` (gradients only add up until then). Ranks decide this
+them as such until the next ``zero_grad`` that sets gradients to None (gradients only add up until
+then). ``zero_grad(set_to_none=False)`` keeps the flags: a zero gradient is still one. Ranks decide this
 from the same exchanged rows, so they skip the all-reduce together. It is only skipped where the
 flags span nothing but the engine's group (no loss scaler's overflow flag, no tensor-parallel
 ranks, replicas or pipeline stages beyond the ranks that agreed). Since the flags are
@@ -646,12 +648,18 @@ class ShardedOptimizer(Optimizer):
 
     @_on_the_optimizer
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drops every gradient: local buckets, reductions in flight and the master-gradient shards."""
+        """Drops every gradient: local buckets, reductions in flight and the master-gradient shards.
+
+        As in torch, ``set_to_none=False`` leaves a parameter that had a gradient with a zero one,
+        which the next step still steps (weight decay, momentum, Adam's moments); ``True`` (the
+        default) leaves it with none, and the step skips it until it gets one (see [Note:
+        parameters without a gradient])."""
         with torch.no_grad():
             self.layout.drop_local_grads()
             self.layout.zero_master_grads()
-        self._had_grad = bytearray(len(self._had_grad))
-        self._every_grad_everywhere = False
+        if set_to_none:
+            self._had_grad = bytearray(len(self._had_grad))
+            self._every_grad_everywhere = False
         self._grad_coefficient = None
 
     # ------------------------------------------------------------------ clipping
