@@ -125,6 +125,36 @@ def forward_returns(module: pl.LightningModule, output: Any, hook: str) -> Gener
         module.__dict__.pop("forward", None)
 
 
+@contextlib.contextmanager
+def without_collectives(module: pl.LightningModule, hook: str) -> Generator[None, None, None]:
+    """Within it, the module's collectives (``self.all_gather``, the strategy's ``reduce``,
+    ``broadcast`` and ``barrier``) raise: the step runs on the last stage only, and a collective
+    there would wait forever for the ranks of the other stages, which never call it. The error is
+    raised on every rank (see ``_from_last_stage``)."""
+    strategy = module._trainer.strategy if module._trainer is not None else None
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            raise PipelineError(
+                f"{type(module).__name__}.{hook} called {name} under pipeline parallelism: the step runs on the last"
+                " pipeline stage only, so a collective in it would wait for the other stages' ranks, which never"
+                " call it. Log the value with self.log(...) (what the last stage logs reaches every rank), or run"
+                " the collective in a hook every rank runs (on_validation_epoch_end, on_train_epoch_end, ...)."
+            )
+        return collective
+
+    patched: list[tuple[Any, str]] = [(module, "all_gather")]
+    if strategy is not None:
+        patched += [(strategy, name) for name in ("reduce", "broadcast", "barrier")]
+    for owner, name in patched:
+        owner.__dict__[name] = refuse("self.all_gather" if owner is module else f"trainer.strategy.{name}")
+    try:
+        yield
+    finally:
+        for owner, name in patched:
+            owner.__dict__.pop(name, None)
+
+
 def _zero_loss(output: Any) -> Tensor:
     """A loss of zero that still reaches every output, so the backward runs through all stages."""
     tensors = [t for t in _tensor_leaves(output) if t.is_floating_point() and t.requires_grad]
@@ -182,7 +212,8 @@ class PipelineSteps:
             if failures:
                 return _zero_loss(output)
             try:
-                with forward_returns(module, output, "training_step"), recorder.capturing(module):
+                with forward_returns(module, output, "training_step"), recorder.capturing(module), \
+                        without_collectives(module, "training_step"):
                     loss = _loss_of(module.training_step(pieces[index], *rest), module)
                 if not loss.requires_grad:
                     raise PipelineError(
@@ -219,7 +250,7 @@ class PipelineSteps:
         failures: list[BaseException] = []
         if runner.is_last:
             try:
-                with forward_returns(module, output, hook), recorder.capturing(module):
+                with forward_returns(module, output, hook), recorder.capturing(module), without_collectives(module, hook):
                     result = getattr(module, hook)(batch, *rest)
             except Exception as error:  # noqa: BLE001 - re-raised on every rank below
                 failures.append(error)

@@ -483,6 +483,15 @@ class HeadLrNet(PipeNet):
         return torch.optim.AdamW([{"params": rest}, {"params": head, "lr": 1e-3}], lr=self.lr)
 
 
+class GatheringNet(PipeNet):
+    """Gathers its loss over the ranks in validation_step, as under DDP: a collective in a step
+    that runs on the last stage only."""
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        self.all_gather(nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten()))
+
+
 class FailingNet(PipeNet):
     """A user error in training_step (run on the last stage only) at the second step, or a loss
     detached from the graph."""
@@ -552,6 +561,21 @@ def _two_rank_cases(tmp: str) -> dict[str, Any]:
                     val_dataloaders=DataLoader(token_data(10, seed=1), batch_size=BATCH))
     out["short"] = {"params": {name: p.detach().clone() for name, p in module.named_parameters()},
                     "batches": module.batches, "val_loss": float(trainer.callback_metrics["val_loss"])}
+    # A validation set smaller than one batch (6 samples, 4 micro-batches asked): forward only, it
+    # runs as the largest count that divides it, even as the first evaluation batch.
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=4))), 1)
+        out["small_val"] = _error(lambda: out.__setitem__("small_val_loss", trainer.validate(
+            new_model(), DataLoader(token_data(6, seed=1), batch_size=BATCH), verbose=False)[0]["val_loss"]))
+    # Batches of 1 under 1f1b (2 micro-batches at least): the fix names a schedule that takes them.
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=2))), 1)
+        out["batch_of_one"] = _error(lambda: trainer.fit(new_model(), train_dataloaders=train_loader(1)))
+    # A collective in a step, which runs on the last stage only: an error on every rank, not a hang.
+    with launched_environment():
+        trainer = _trainer(ZeroStrategy(config=ZeroConfig(stage=1, pipeline=PipelineConfig(size=2, microbatches=2))), 1)
+        out["collective"] = _error(lambda: trainer.validate(GatheringNet(), DataLoader(token_data(8), batch_size=BATCH),
+                                                            verbose=False))
     # Stage 2 reduces each bucket once per optimizer step, whatever the micro-batch count.
     from lightning_zero.zero.comm import Collectives
 
@@ -746,6 +770,19 @@ def test_bad_batches_fail_on_every_rank(two: list[dict[str, Any]]) -> None:
         assert "microbatches=3 does not divide the training batch size 4" in rank["indivisible_full"]
         assert "Use microbatches in [2, 4]," in rank["indivisible_full"]
         assert "tied weights" in rank["tied"] and "stage 0 and stage 1" in rank["tied"]
+        assert "does not divide the training batch size 1" in rank["batch_of_one"]
+        assert "schedule='gpipe' takes any" in rank["batch_of_one"]
+        assert "GatheringNet.validation_step called self.all_gather under pipeline parallelism" in rank["collective"]
+
+
+def test_a_validation_set_smaller_than_one_batch_runs(two: list[dict[str, Any]]) -> None:
+    model = new_model()
+    tokens, targets = token_data(6, seed=1).tensors
+    with torch.no_grad():
+        expected = float(nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()))
+    for rank in two:
+        assert rank["small_val"] == "no error"
+        assert rank["small_val_loss"] == pytest.approx(expected, abs=1e-5)
 
 
 # ---------------------------------------------------------------------------------------- no ranks
@@ -824,6 +861,17 @@ def test_bad_configs_are_refused_before_launch() -> None:
     assert (dims.pipeline, dims.data, dims.tensor) == (2, 2, 2)
     assert dims.pipeline_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert dims.shard_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_a_stage_returning_a_dict_names_the_fix() -> None:
+    from lightning_zero.parallel.pipeline import StageModule
+
+    class Heads(nn.Module):
+        def forward(self, x: Tensor) -> dict[str, Tensor]:
+            return {"y": x * 2, "h": x}
+
+    with pytest.raises(PipelineError, match="layer Heads returned a dict: .*Return a tuple.*return_dict=False"):
+        StageModule([nn.Linear(2, 2), Heads()])(torch.zeros(1, 2))
 
 
 def test_micro_batches_split_every_tensor_of_the_batch() -> None:

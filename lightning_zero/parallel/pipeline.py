@@ -34,7 +34,7 @@ from __future__ import annotations
 import difflib
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,6 +203,14 @@ class StageModule(nn.Module):
         value: Any = args
         for layer in self.layers:
             value = layer(*value) if isinstance(value, tuple) else layer(value)
+        if isinstance(value, Mapping):
+            # torch's stage fails on it with its own metadata error, on this rank only: name the fix.
+            raise PipelineError(
+                f"The pipeline stage ending at layer {type(self.layers[-1]).__name__} returned a"
+                f" {type(value).__name__}: torch.distributed.pipelining passes only tensors and tuples of tensors"
+                " between stages and to the loss. Return a tuple (e.g. `return out['y'], out['h']`; a Hugging Face"
+                " model takes return_dict=False)."
+            )
         if self.own_outputs:
             if isinstance(value, Tensor) and value._is_view():
                 return value.clone()
@@ -306,10 +314,13 @@ def check_microbatches(batch_size: int, microbatches: int, where: str,
     (those the schedule ``accepts``)."""
     if batch_size % microbatches:
         divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0 and accepts(d)]
+        counts = f"Use microbatches in {divisors}, or" if divisors else (
+            "No count the schedule accepts divides it (1f1b needs at least as many micro-batches as stages;"
+            " schedule='gpipe' takes any): use")
         raise PipelineError(
             f"PipelineConfig.microbatches={microbatches} does not divide the {where} batch size {batch_size}:"
-            f" micro-batches must be equal. Use microbatches in {divisors}, or a batch size that is a multiple of"
-            f" {microbatches} (with drop_last=True if the last batch is smaller)."
+            f" micro-batches must be equal. {counts} a batch size that is a multiple of {microbatches} (with"
+            " drop_last=True if the last batch is smaller)."
         )
 
 
@@ -409,18 +420,21 @@ class PipelineRunner:
     # ---------------------------------------------------------------- schedules
     def microbatches_for(self, batch_size: int, train: bool) -> int:
         """How many micro-batches a batch of ``batch_size`` runs as: the configured count, or for a
-        batch it does not divide that is shorter than one seen before (a short last batch) the
-        largest smaller count that divides it and that the schedule accepts. A full batch the
-        count does not divide is a PipelineError naming the counts that would (running every batch
-        with another count than the one configured would change the pipeline without a word).
-        Every rank of a pipeline reads the same batch, so they agree."""
+        batch it does not divide that is shorter than one seen before (a short last batch), or any
+        evaluation batch, the largest smaller count that divides it and that the schedule accepts.
+        A full training batch the count does not divide is a PipelineError naming the counts that
+        would (running every batch with another count than the one configured would change the
+        pipeline without a word). Every rank of a pipeline reads the same batch, so they agree."""
         wanted = self.config.num_microbatches
         where = "training" if train else "evaluation"
         largest = self._largest_batch.get(train, 0)
         self._largest_batch[train] = max(largest, batch_size)
         if batch_size % wanted == 0 and self._accepts(wanted, train):
             return wanted
-        if batch_size >= largest:
+        # Evaluation runs forward only, so another count changes no result: a batch the count does
+        # not divide runs as the largest that does, even the first (a validation set smaller than
+        # one batch). Training refuses a full batch the count does not divide.
+        if train and batch_size >= largest:
             check_microbatches(batch_size, wanted, where, lambda count: self._accepts(count, train))
         for count in range(min(wanted, batch_size), 0, -1):
             if batch_size % count == 0 and self._accepts(count, train):
