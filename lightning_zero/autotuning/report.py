@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 from rich.table import Table
 
+from lightning_zero._messages import unwritable_directory
 from lightning_zero.autotuning.search import SearchResult, TrialStatus
 from lightning_zero.autotuning.space import count_label
 from lightning_zero.config import ZeroConfig
@@ -116,13 +116,8 @@ def output_refusal(path: str | Path, overwrite: bool, flag: str = "overwrite=Tru
     if path.is_dir():
         return f"the output {str(path)!r} is a directory: give a file path for the tuned YAML."
     if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            return f"the output {str(path)!r} cannot be written: its directory cannot be made ({error})."
-        if not os.access(path.parent, os.W_OK | os.X_OK):
-            return f"the output {str(path)!r} cannot be written: its directory is not writable."
-        return None
+        problem = unwritable_directory(path.parent)
+        return None if problem is None else f"the output {str(path)!r} cannot be written: {problem}."
     if overwrite:
         return None
     try:

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from rich.console import Console
 from typing_extensions import override
 
+from lightning_zero._messages import unwritable_directory
 from lightning_zero.profiling.estimate import MemoryEstimate, estimate_memory
 from lightning_zero.profiling.measure import MemorySample, SavedActivations, sample_memory
 from lightning_zero.profiling.report import comparison_table, write_csv, write_plots
@@ -102,10 +103,10 @@ class ZeroMemoryProfiler(Callback):
         self.estimate = self._estimate(trainer)
         self._out = self._directory(trainer)  # on every rank: trainer.log_dir is a collective
         # Before training, on every rank together: a directory that cannot be written would lose the profile at the end.
-        refusal = _unwritable(self._out) if trainer.global_rank == 0 else None
+        refusal = unwritable_directory(self._out) if trainer.global_rank == 0 else None
         refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal is not None:
-            raise ValueError(f"ZeroMemoryProfiler(output_dir=...): {refusal}")
+            raise ValueError(f"ZeroMemoryProfiler(output_dir=...): {refusal}. Give a writable directory.")
         if self.cuda_snapshot_steps:
             if trainer.strategy.root_device.type == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -272,17 +273,6 @@ class ZeroMemoryProfiler(Callback):
         torch.cuda.memory._record_memory_history(enabled=None)
         self._snapshot_open = False
         print(f"rank {trainer.global_rank}: CUDA memory snapshot written to {path} (open it at https://pytorch.org/memory_viz)")
-
-
-def _unwritable(directory: Path) -> str | None:
-    """Why the profile cannot go into ``directory`` (made if missing), or None."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        return f"{str(directory)!r} cannot be made a directory ({error}). Give a writable directory."
-    if not os.access(directory, os.W_OK | os.X_OK):
-        return f"{str(directory)!r} is not writable. Give a writable directory."
-    return None
 
 
 __all__ = ["ZeroMemoryProfiler"]
