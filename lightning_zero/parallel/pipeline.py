@@ -415,7 +415,7 @@ class PipelineRunner:
         self._built: dict[tuple[Any, ...], tuple[list[_TimedStage], Any]] = {}
         self._loss_fn: LossFn | None = None
         self._microbatch_size = 1
-        self._largest_batch: dict[bool, int] = {}  # by train/evaluation: the largest batch so far
+        self._largest_training_batch = 0  # so far: a batch shorter than it is a short last batch
 
     # ---------------------------------------------------------------- schedules
     def microbatches_for(self, batch_size: int, train: bool) -> int:
@@ -427,8 +427,9 @@ class PipelineRunner:
         pipeline without a word). Every rank of a pipeline reads the same batch, so they agree."""
         wanted = self.config.num_microbatches
         where = "training" if train else "evaluation"
-        largest = self._largest_batch.get(train, 0)
-        self._largest_batch[train] = max(largest, batch_size)
+        largest = self._largest_training_batch
+        if train:
+            self._largest_training_batch = max(largest, batch_size)
         if batch_size % wanted == 0 and self._accepts(wanted, train):
             return wanted
         # Evaluation runs forward only, so another count changes no result: a batch the count does
