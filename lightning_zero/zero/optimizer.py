@@ -692,22 +692,24 @@ class ShardedOptimizer(Optimizer):
         for piece in (piece for tile in self.layout.tiles() for piece in tile.pieces):
             if piece.holder.grad is not None and piece.master.numel():
                 (sharded if piece.param in tensor_sharded else replicated).append(piece.in_holder.slice(piece.holder.grad))
-        if math.isinf(norm_type):
-            local = torch.stack([self._local_max(sharded), self._local_max(replicated)])
-            self.collectives.all_reduce(local, dist.ReduceOp.MAX)
-            over_tensor = local[:1].clone()
-            self.collectives.all_reduce_tensor_parallel(over_tensor, dist.ReduceOp.MAX)
-            norm = torch.maximum(over_tensor[0], local[1])
-            self.collectives.all_reduce_pipeline(norm, dist.ReduceOp.MAX)
-        else:
-            local = torch.stack([self._local_power_sum(sharded, norm_type), self._local_power_sum(replicated, norm_type)])
-            self.collectives.all_reduce(local, dist.ReduceOp.SUM)
-            over_tensor = local[:1].clone()
-            self.collectives.all_reduce_tensor_parallel(over_tensor, dist.ReduceOp.SUM)
-            power = over_tensor[0] + local[1]
-            self.collectives.all_reduce_pipeline(power, dist.ReduceOp.SUM)
-            norm = power.pow(1.0 / norm_type)
-        return self._unscaled(norm)
+        infinite = math.isinf(norm_type)
+        partials = [self._local_max(grads) if infinite else self._local_power_sum(grads, norm_type)
+                    for grads in (sharded, replicated)]
+        op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+        both = self._reduce_partials(torch.stack(partials), torch.tensor([True, False], device=self.comm_device), op)
+        total = both.max() if infinite else both.sum()
+        self.collectives.all_reduce_pipeline(total, op)
+        return self._unscaled(total if infinite else total.pow(1.0 / norm_type))
+
+    def _reduce_partials(self, values: Tensor, tensor_sharded: Tensor, op: dist.ReduceOp.RedOpType) -> Tensor:
+        """Partial norms (maxima, or sums of powers) of this rank's shards, each reduced over the
+        engine's group; those of tensor-parallel shards (where ``tensor_sharded``) over the tensor
+        group too, where parameters replicated over it count once (see [Note: a step over the mesh]
+        in comm.py). Every rank of that group holds the same entries, so the vectors line up."""
+        self.collectives.all_reduce(values, op)
+        over_tensor = torch.where(tensor_sharded, values, torch.zeros_like(values))
+        self.collectives.all_reduce_tensor_parallel(over_tensor, op)
+        return torch.where(tensor_sharded, over_tensor, values)
 
     @_on_the_optimizer
     @torch.no_grad()
@@ -735,15 +737,8 @@ class ShardedOptimizer(Optimizer):
             return {}
         names = list(local)
         values = torch.stack([local[name] for name in names])
-        op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-        self.collectives.all_reduce(values, op)
-        # Parts of tensor-parallel shards combine over the tensor group too; replicated parameters
-        # count once (see [Note: a step over the mesh] in comm.py). Every rank of that group holds
-        # the same names, so the vectors line up.
         mask = torch.tensor([name in sharded for name in names], device=values.device)
-        over_tensor = torch.where(mask, values, torch.zeros_like(values))
-        self.collectives.all_reduce_tensor_parallel(over_tensor, op)
-        values = torch.where(mask, over_tensor, values)
+        values = self._reduce_partials(values, mask, dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
         norms = values if infinite else values.pow(1.0 / norm_type)
         norms = self._unscaled(norms)
         return dict(zip(names, norms.unbind()))
