@@ -8,7 +8,8 @@ A LayerDrop model (a block skipped on every rank in some steps, by a rule all ra
 tiny MoE (top-1 routing: one expert gets tokens on rank 0 only, another on no rank in most steps)
 train with AdamW (and SGD with momentum) at stages 1, 2, 3 and with offload, with and without
 gradient accumulation; weights and the torch-format optimizer state, step counts included, must
-equal DDP(find_unused_parameters=True) with the same optimizer. Two gloo ranks, one spawn.
+equal DDP(find_unused_parameters=True) with the same optimizer. LoRA-style adapters beside frozen
+weights in one stage-3 unit train like DDP too. Two gloo ranks, one spawn.
 """
 
 from __future__ import annotations
@@ -145,12 +146,48 @@ class ZeroedNotNone(LayerDropGPT):
         optimizer.zero_grad(set_to_none=False)
 
 
+class Adapted(nn.Module):
+    """A frozen Linear (an odd-sized bias) and a trained low-rank update, registered after it as
+    peft's LoRA layers are, with an odd-sized trained gate."""
+
+    def __init__(self, features: int, out_features: int, rank: int = 3) -> None:
+        super().__init__()
+        self.base = nn.Linear(features, out_features).requires_grad_(False)
+        self.down = nn.Parameter(torch.randn(rank, features) / features)
+        self.gate = nn.Parameter(torch.ones(rank))
+        self.up = nn.Parameter(torch.randn(out_features, rank) / rank)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + (x @ self.down.t() * self.gate) @ self.up.t()
+
+
+class LoRAGPT(TinyGPT):
+    """A frozen TinyGPT with trained adapters beside frozen weights: a frozen block (a unit of its
+    own at stage 3), an adapted MLP and head (units that mix frozen and trained parameters), and a
+    root unit of the frozen embedding beside the trained norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = self.norm.normalized_shape[0]
+        self.requires_grad_(False)
+        self.norm.requires_grad_(True)
+        self.mlp = nn.Sequential(Adapted(width, 2 * width + 1), nn.GELU(), Adapted(2 * width + 1, width))
+        self.head = Adapted(width, self.head.out_features)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.block(self.embed(tokens))
+        return self.head(self.norm(hidden + self.mlp(hidden)))
+
+
+LORA_UNITS = BLOCK_UNITS + ("Adapted",)
+
+
 def _run(module_class: type, strategy: Any, accumulate: int) -> dict[str, Any]:
     pl.seed_everything(0)
     module = module_class()
     final = FinalOptimizerState()
     fit(module, strategy, WORLD, steps=STEPS, accumulate_grad_batches=accumulate, callbacks=[final])
-    usage = getattr(module, "used", None) or getattr(module, "routed")
+    usage = getattr(module, "used", None) or getattr(module, "routed", None)
     return {"params": params_of(module), "optimizer": final.state, "losses": module.losses, "usage": usage}
 
 
@@ -198,6 +235,30 @@ def _late_trainable(strategy: Any, action: str) -> dict[str, Any]:
             "head moved": not torch.equal(module.head.weight.detach(), head_before)}
 
 
+class UnfrozenInConfigure(TinyGPT):
+    """The head is frozen in __init__ and made trainable in configure_optimizers, which runs after
+    the strategy sharded the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        self.head.requires_grad_(True)
+        return super().configure_optimizers()
+
+
+def _unfrozen_in_configure(strategy: Any, module_class: type = UnfrozenInConfigure) -> dict[str, Any]:
+    pl.seed_everything(0)
+    module = module_class()
+    try:
+        fit(module, strategy, WORLD, steps=STEPS)
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    return {"message": message, "params": params_of(module), "losses": module.losses}
+
+
 def _cases() -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["freeze_ddp"] = _late_trainable("ddp_find_unused_parameters_true", "freeze")
@@ -210,6 +271,15 @@ def _cases() -> dict[str, Any]:
             out[f"{key}_ddp"] = _run(module_class, "ddp_find_unused_parameters_true", accumulate)
             for name, config in STRATEGIES.items():
                 out[f"{key}_{name}"] = _run(module_class, ZeroStrategy(config=ZeroConfig(**config)), accumulate)
+    # DDP registers its parameters before configure_optimizers too (and would leave the head's
+    # gradients unreduced): the reference trains the head from the start.
+    out["configure_ddp"] = _unfrozen_in_configure("ddp", TinyGPT)
+    for name in ("zero2", "zero3"):
+        out[f"configure_{name}"] = _unfrozen_in_configure(ZeroStrategy(config=ZeroConfig(**STRATEGIES[name])))
+    out["lora_ddp"] = _run(LoRAGPT, "ddp", 2)
+    for name in ("zero2", "zero3", "zero3_offload"):
+        config = ZeroConfig(**{**STRATEGIES[name], "unit_modules": LORA_UNITS} if name != "zero2" else STRATEGIES[name])
+        out[f"lora_{name}"] = _run(LoRAGPT, ZeroStrategy(config=config), 2)
     out["zeroed_ddp"] = _run(ZeroedNotNone, "ddp_find_unused_parameters_true", 1)
     for name in ("zero2", "zero3", "zero2_offload"):
         out[f"zeroed_{name}"] = _run(ZeroedNotNone, ZeroStrategy(config=ZeroConfig(**STRATEGIES[name])), 1)
@@ -324,3 +394,29 @@ def test_a_parameter_frozen_after_setup_stops_training_like_ddp(results: list[di
         assert zero["message"] == ddp["message"] == "no error"
         _assert_matches(zero, ddp)
         assert zero["head moved"]
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload"])
+def test_adapters_beside_frozen_weights_train_like_ddp(results: list[dict[str, Any]], strategy: str) -> None:
+    """LoRA-style units (frozen base weights and trained adapters in one stage-3 unit, see [Note:
+    trained pieces first] in zero/stage3/unit.py) train like DDP, with accumulation; the frozen
+    weights stay as they were."""
+    for per_rank in results:
+        _assert_matches(per_rank[f"lora_{strategy}"], per_rank["lora_ddp"])
+    zero, ddp = results[0][f"lora_{strategy}"]["optimizer"], results[0]["lora_ddp"]["optimizer"]
+    _assert_optimizer_states_match(zero, ddp)
+    assert len(ddp["state"]) == 2 + 3 * 3  # the norm's two and each adapter's three: nothing frozen
+
+
+def test_a_parameter_unfrozen_in_configure_optimizers_trains_or_is_named(results: list[dict[str, Any]]) -> None:
+    """Stages 1/2 build their buckets from the optimizer: such a parameter trains as under DDP.
+    Stage 3 shards the module (and takes its trainable set) before configure_optimizers runs: an
+    error on every rank naming the parameters and where to set requires_grad, before any step,
+    never a head that silently stays as it was."""
+    for per_rank in results:
+        assert per_rank["configure_zero2"]["message"] == per_rank["configure_ddp"]["message"] == "no error"
+        _assert_matches(per_rank["configure_zero2"], per_rank["configure_ddp"])
+        message = per_rank["configure_zero3"]["message"]
+        assert "'head.weight', 'head.bias' were frozen (requires_grad=False) when ZeRO-3 sharded the model" in message
+        assert "set requires_grad in __init__, setup or configure_model" in message
+        assert per_rank["configure_zero3"]["losses"] == []

@@ -10,6 +10,7 @@ with two model copies playing rank 0 and rank 1. A strict xfail at the end pins 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -1194,3 +1195,72 @@ def test_a_unit_of_frozen_parameters_holds_no_master_gradient(precision: torch.d
             assert torch.equal(masters[name], value), name  # frozen: as built, at full precision
         else:
             assert not torch.equal(masters[name], value), name  # trained
+
+
+class LowRankAdapted(nn.Module):
+    """A frozen Linear and a trained low-rank update of it, registered after the base (as peft's
+    LoRA layers are), with an odd-sized trained gate: the unit's shard puts the trained pieces first."""
+
+    def __init__(self, features: int, rank: int = 3) -> None:
+        super().__init__()
+        self.base = nn.Linear(features, features).requires_grad_(False)
+        self.down = nn.Parameter(torch.randn(rank, features) / features)
+        self.gate = nn.Parameter(torch.ones(rank))
+        self.up = nn.Parameter(torch.randn(features, rank) / rank)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + (x @ self.down.t() * self.gate) @ self.up.t()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_mixed_unit_reduces_and_holds_gradients_of_its_trained_pieces_only(world_size: int) -> None:
+    """[Note: trained pieces first]: a unit of a frozen base weight and its trained adapters holds a
+    master gradient of the adapters' pieces only, and its reduce-scatter sends those alone (N x T
+    elements, not the whole unit's zeros). On one rank, training matches the same model without
+    ZeRO, and the frozen weights keep their values, read from the masters as a checkpoint reads
+    them (two real ranks: test_no_grad_params.py)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LowRankAdapted(9), nn.ReLU(), LowRankAdapted(9))
+    reference = copy.deepcopy(model)
+    initial = {name: param.detach().clone() for name, param in model.named_parameters()}
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    config = ZeroConfig(stage=3, unit_modules=("LowRankAdapted",), param_persistence_threshold=0, prefetch_units=0)
+    # With two ranks the peer is this rank's echo: the structure is checked, not the values.
+    fake = FakeCollectives(world_size=world_size)
+    fake.gather_peer = lambda shard: [shard.clone()]
+    engine = Zero3Engine(model, fake, config, param_dtype=torch.float32, device=CPU)  # type: ignore[arg-type]
+    engine.shard()
+    engine.install_hooks()
+    optimizer = Zero3Optimizer(torch.optim.AdamW(model.parameters(), lr=0.1), engine, config)
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    units = [unit for unit in engine.units if unit.trainable_count]
+    assert len(units) == 2
+    piece = [-(-numel // world_size) for numel in (27, 3, 27, 81, 9)]  # down, gate, up, base weight and bias
+    adapter = sum(piece[:3])
+    for unit in units:
+        assert unit.trained_numel == adapter < unit.shard_numel == sum(piece)
+        assert unit.master_grad.untyped_storage().nbytes() == 4 * adapter
+        # the trained pieces lead the shard, in registration order; the frozen ones follow
+        starts = {sp.name.rpartition(".")[2]: sp.shard_range.start for sp in unit.params}
+        assert starts == {"down": 0, "gate": piece[0], "up": piece[0] + piece[1], "weight": adapter,
+                          "bias": adapter + piece[3]}
+    for _ in range(3):
+        batch = torch.randn(5, 9)
+        model(batch).pow(2).sum().backward()
+        engine.end_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference(batch).pow(2).sum().backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+    assert fake.reduce_numels() == [world_size * adapter] * 2 * 3  # N x T per unit and step
+    if world_size > 1:
+        return
+    pieces = {piece.name: piece for piece in engine.param_pieces()}
+    for name, param in reference.named_parameters():
+        master = pieces[name].master.reshape(param.shape)
+        if name in frozen:
+            assert torch.equal(master, initial[name]), name
+        else:
+            assert not torch.equal(master, initial[name]), name
+            assert torch.allclose(master, param.detach(), atol=1e-6), name

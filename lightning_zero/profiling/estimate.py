@@ -34,9 +34,8 @@ stage      parameters          gradients             optimizer state (master + K
 Frozen parameters (``requires_grad=False``, Ψf elements) have no gradient and no optimizer state,
 but the engine still holds them: at stages 1/2 whole on every rank (P Ψf, outside the flat buffers),
 at stage 3 inside their unit like any other parameter (P Ψf/N for the shard, and 4 Ψf/N for the
-unit's fp32 master where it is not the shard). A unit that also trains some parameter has one master
-gradient over all of them, frozen ones too (4 Ψf/N more); a unit of frozen parameters only has none.
-Given as a count, frozen parameters are taken to sit in units of their own (a frozen backbone).
+unit's fp32 master where it is not the shard), with no master gradient and no part in the unit's
+reduction (see [Note: trained pieces first] in zero/stage3/unit.py).
 
 These are the tensors :func:`~lightning_zero.zero.accounting.model_state_bytes` counts for
 parameters, gradients and optimizer state (the tests compare the two on 2 and 4 ranks); padding
@@ -129,9 +128,8 @@ def estimate_memory(
         params = list(dict.fromkeys(model.parameters()))  # a tied weight is held once
         numel = sum(p.numel() for p in params if p.requires_grad)
         frozen = sum(p.numel() for p in params if not p.requires_grad)
-        frozen_beside_trained = _frozen_in_trained_units(model, config) if config.stage == 3 else 0
     else:
-        numel, frozen, frozen_beside_trained = int(model), frozen_params, 0
+        numel, frozen = int(model), frozen_params
     n, p_bytes = world_size, PARAM_BYTES[precision]
     r_bytes = _DTYPE_BYTES[config.reduce_dtype]
     notes: list[str] = []
@@ -139,20 +137,18 @@ def estimate_memory(
         notes.append("no trainable parameters: nothing to step (only the frozen ones are held)")
     device, host = _Bytes(), _Bytes()
     offload_ratio = config.offload_optimizer.ratio if config.offload_optimizer is not None else 0.0
-    # Stage 3's masters span every unit's frozen parameters, its master gradients those of the trained units.
+    # Stage 3's masters span the frozen parameters too; master gradients are the trained ones' only.
     mastered = numel + frozen if config.stage == 3 else numel
-    graded = numel + frozen_beside_trained
     shard, mastered_shard = math.ceil(numel / n), math.ceil(mastered / n)
     on_host, mastered_on_host = shard * offload_ratio, mastered_shard * offload_ratio
     on_device, mastered_on_device = shard - on_host, mastered_shard - mastered_on_host
-    graded_on_host = math.ceil(graded / n) * offload_ratio
 
     # optimizer state: K moments per trained master element, where the masters live
     device.optimizer_states += 4 * optimizer_moments * on_device
     host.optimizer_states += 4 * optimizer_moments * on_host
     # master gradients (every stage): fp32, beside the masters
-    device.grads += MASTER_BYTES * (math.ceil(graded / n) - graded_on_host)
-    host.grads += MASTER_BYTES * graded_on_host
+    device.grads += MASTER_BYTES * on_device
+    host.grads += MASTER_BYTES * on_host
 
     if config.stage in (1, 2):
         device.params += p_bytes * (numel + frozen)  # frozen parameters stay whole, outside the buckets
@@ -183,17 +179,19 @@ def estimate_memory(
             if not (p_bytes == MASTER_BYTES and master_on_host == shard_on_host):
                 placed.optimizer_states += MASTER_BYTES * part
         unit = _largest_unit_numel(model, config)
-        if unit is None:
+        trained_unit = _largest_unit_numel(model, config, trained=True)
+        if unit is None or trained_unit is None:
             unit = min(mastered, config.min_unit_numel)
+            trained_unit = min(numel, unit)
             notes.append(f"stage-3 unit size not known from a parameter count: assumed {unit:,} elements"
                          " (ZeroConfig.min_unit_numel)")
         prefetch = config.prefetch_units if config.prefetch_bytes is None else max(
             0, config.prefetch_bytes // max(1, p_bytes * unit))
         # The unit being computed and those prefetched, but never more than the whole model.
         gathered = min(mastered - persistent, unit * (1 + prefetch))
-        # A unit's gradient before it is reduced; on the CPU two of them stay for reuse (one
-        # accumulating, one in flight: see [Note: reused gradient buffers] in zero/reduce.py).
-        reducing = min(mastered, 2 * unit) if device_type == "cpu" else unit
+        # A unit's trained gradients before they are reduced; on the CPU two of them stay for reuse
+        # (one accumulating, one in flight: see [Note: reused gradient buffers] in zero/reduce.py).
+        reducing = min(numel, 2 * trained_unit) if device_type == "cpu" else trained_unit
         device.comm_buffers += p_bytes * gathered + r_bytes * reducing
         if config.offload_optimizer is not None and p_bytes < MASTER_BYTES and not shard_on_host \
                 and device_type != "cpu":
@@ -230,29 +228,10 @@ def _persistent_numel(model: nn.Module | int, config: ZeroConfig) -> int:
     return sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.numel() < config.param_persistence_threshold)
 
 
-def _frozen_in_trained_units(model: nn.Module, config: ZeroConfig) -> int:
-    """Stage 3: elements of frozen parameters in units that train some parameter too (they share
-    its master gradient), with the units chosen as the engine chooses them."""
-    from lightning_zero.zero.stage3 import partition
-
-    units = partition.choose_unit_modules(model, config.unit_modules, config.min_unit_numel)
-    # A parameter belongs to the first module that registers it; a unit holds one dtype.
-    by_unit: dict[tuple[str | None, torch.dtype], dict[nn.Parameter, None]] = {}
-    seen: set[nn.Parameter] = set()
-    for prefix, submodule in model.named_modules():
-        for param in submodule.parameters(recurse=False):
-            if param in seen:
-                continue
-            seen.add(param)
-            small = param.numel() < config.param_persistence_threshold
-            by_unit.setdefault((None if small else partition.innermost_prefix(prefix, units), param.dtype), {})[param] = None
-    return sum(p.numel() for params in by_unit.values() if any(p.requires_grad for p in params)
-               for p in params if not p.requires_grad)
-
-
-def _largest_unit_numel(model: nn.Module | int, config: ZeroConfig) -> int | None:
-    """The largest stage-3 unit's elements (frozen parameters included: they are gathered too),
-    from the module's own unit choice (None for a count)."""
+def _largest_unit_numel(model: nn.Module | int, config: ZeroConfig, trained: bool = False) -> int | None:
+    """The largest stage-3 unit's elements (frozen parameters included: they are gathered too), or
+    with ``trained`` its trained parameters' (those it reduces), from the module's own unit choice
+    (None for a count)."""
     if not isinstance(model, nn.Module):
         return None
     from lightning_zero.zero.stage3 import partition
@@ -261,7 +240,7 @@ def _largest_unit_numel(model: nn.Module | int, config: ZeroConfig) -> int | Non
     sizes: dict[str, int] = {}
     seen: set[nn.Parameter] = set()
     for name, param in model.named_parameters():
-        if param in seen or param.numel() < config.param_persistence_threshold:
+        if param in seen or param.numel() < config.param_persistence_threshold or (trained and not param.requires_grad):
             continue
         seen.add(param)
         owner = partition.innermost_prefix(name.rpartition(".")[0], units)

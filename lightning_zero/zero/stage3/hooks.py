@@ -154,8 +154,6 @@ class Zero3Hooks:
             if foreign:
                 self._hook_handles.append(submodule.register_forward_pre_hook(self._make_pre_forward(foreign, False)))
                 self._hook_handles.append(submodule.register_forward_hook(self._make_post_forward(foreign)))
-        for unit in self.units:
-            unit.reduction.expected_grads = sum(1 for sp in unit.params if sp.param.requires_grad)
         # Reverse registration order is backward order; persistent parameters (spread over the
         # whole model) are complete only at the end, so they come last (see [Note: one launch
         # order] in reduce.py).
@@ -166,7 +164,7 @@ class Zero3Hooks:
         # buffers] in reduce.py).
         self.schedule.reuse_buffers()
         for sp in self.sharded_params.values():
-            if sp.param.requires_grad:
+            if sp.trained:  # see [Note: trained pieces first] in unit.py
                 self._hook_handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _enclosing_units(self, prefix: str) -> list[ShardedUnit]:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_zero._messages import some_of
 from lightning_zero.config import ZeroConfig
 from lightning_zero.loss_scaler import LossScaler
 from lightning_zero.offload.step import StagingBuffers
@@ -39,6 +40,7 @@ class Zero3Layout:
         # The optimizer's parameters left out because they were frozen (see [Note: the trainable set]).
         self.frozen_at_setup: dict[nn.Parameter, str] = {}
         self._local_index: dict[ShardedParam, int] = {}
+        unfrozen: list[str] = []  # frozen when the engine was built, trainable now
         for number, group in enumerate(optimizer.param_groups):
             members = []
             for param in group["params"]:
@@ -52,9 +54,18 @@ class Zero3Layout:
                 if not param.requires_grad:
                     self.frozen_at_setup[param] = sp.name
                     continue
+                if not sp.trained:
+                    unfrozen.append(sp.name)
                 self._local_index[sp] = len(self._local_index)
                 members.append(sp)
             self.groups.append(members)
+        if unfrozen:
+            raise RuntimeError(
+                f"The parameter(s) {some_of(unfrozen)} were frozen (requires_grad=False) when ZeRO-3 sharded the model"
+                f" and are trainable in {type(optimizer).__name__} now: they have no gradient shard and would not"
+                " train. The engine takes the trainable set when it shards the module, before configure_optimizers"
+                " runs: set requires_grad in __init__, setup or configure_model instead of in configure_optimizers."
+            )
         # This optimizer's parameters of each unit, in order (the step publishes them unit by unit).
         self.members: dict[ShardedUnit, list[ShardedParam]] = {}
         for sp in self.params:
@@ -115,7 +126,7 @@ class Zero3Layout:
 
     def zero_master_grads(self) -> None:
         for unit, members in self.members.items():
-            if len(members) == len(unit.params):
+            if len(members) == unit.trainable_count:
                 unit.reduction.zero_master_grad()
             else:  # the unit's other parameters belong to another optimizer: its gradients stay
                 for sp in members:
@@ -154,7 +165,7 @@ class Zero3Layout:
     def drop_local_grads(self) -> None:
         schedule = self.engine.schedule
         mine = set(self.params)
-        whole = [unit for unit in self.units if all(sp in mine for sp in unit.params if sp.param.requires_grad)]
+        whole = [unit for unit in self.units if all(sp in mine for sp in unit.params if sp.trained)]
         schedule.drop([unit.reduction for unit in whole])
         for unit in self.units:
             if unit in whole:
@@ -163,7 +174,7 @@ class Zero3Layout:
             # pieces are zeroed by zero_grad after this).
             unit.reduction.finish()
             if unit.grad_data is not None:
-                by_rank = unit.grad_data.view(unit.world_size, unit.shard_numel)
+                by_rank = unit.grad_data.view(unit.world_size, unit.trained_numel)
                 for sp in unit.params:
                     if sp in mine:
                         by_rank[:, sp.shard_range.start : sp.shard_range.end].zero_()

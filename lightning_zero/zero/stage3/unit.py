@@ -10,9 +10,19 @@ saved stay valid, because re-gathering fills the same storage (under
 ``_unsafe_preserve_version_counter``, as FSDP2 does), and the parameters are re-pointed at their
 pieces (see [Note: a stage-3 parameter outside its gather]).
 
-Gradients go the other way: each parameter's gradient is added into a rank-major buffer [N, S];
+Gradients go the other way: each parameter's gradient is added into a rank-major buffer [N, T];
 when all of a unit's gradients of this backward have arrived, one reduce-scatter leaves this
-rank's pieces in the unit's fp32 master-gradient shard [S].
+rank's pieces in the unit's fp32 master-gradient shard [T].
+
+[Note: trained pieces first]
+Within a unit's shard the pieces of the parameters that train (requires_grad when the engine is
+built) come first, in registration order, then the frozen ones: the trained ones span the shard's
+first T elements. Only those have a master gradient [T], a reduction [N, T] and (offloaded) a
+staging buffer, so a unit that mixes frozen and trained parameters (a LoRA adapter beside its
+frozen base weight) neither holds an fp32 gradient over its frozen weights nor reduce-scatters
+their zeros every step, and a unit of frozen parameters only (T = 0) is never reduced. The full
+buffer keeps registration order; checkpoints record every piece's place, so they do not depend on
+the order within a shard.
 
 [Note: a stage-3 parameter outside its gather]
 While its unit is gathered a parameter has its true shape and value. Otherwise it is this rank's
@@ -67,6 +77,7 @@ class ShardedParam:
     full_range: Range  # "full" index space: the padded parameter inside the unit's full buffer
     shard_range: Range  # "shard" index space: this rank's piece inside the unit's shard
     unit: ShardedUnit
+    trained: bool  # requires_grad when the engine was built: its piece lies in the unit's first T elements
     # param._version when the engine last knew the parameter's contents: a larger one means user
     # code wrote the parameter in place (see [Note: a stage-3 parameter outside its gather]).
     seen_version: int = 0
@@ -102,8 +113,10 @@ class ShardedParam:
         return self.shard_range.slice(self.unit.master)
 
     @property
-    def master_grad(self) -> Tensor:
-        return self.shard_range.slice(self.unit.master_grad)
+    def master_grad(self) -> Tensor | None:
+        """Its piece of the unit's master gradient; a frozen parameter has none (see [Note: trained
+        pieces first])."""
+        return self.shard_range.slice(self.unit.master_grad) if self.trained else None
 
     @property
     def holder(self) -> Tensor:
@@ -162,19 +175,27 @@ class ShardedUnit:
         self.grad_dtype = grad_dtype
         self.persistent = persistent
         self.params: list[ShardedParam] = []
-        full_offset = shard_offset = 0
+        shard_numels = [round_up(param.numel(), world_size) // world_size for _, param in named_params]
+        # Trained pieces first in the shard (see [Note: trained pieces first]).
+        trained_first = sorted(range(len(named_params)), key=lambda position: not named_params[position][1].requires_grad)
+        shard_starts = [0] * len(named_params)
+        shard_offset = 0
+        for position in trained_first:
+            shard_starts[position] = shard_offset
+            shard_offset += shard_numels[position]
+        full_offset = 0
         for position, (param_name, param) in enumerate(named_params):
-            shard_numel = round_up(param.numel(), world_size) // world_size
+            shard_numel = shard_numels[position]
             self.params.append(
                 ShardedParam(
                     param, param_name, first_index + position, param.shape, param.numel(), shard_numel,
                     Range(full_offset, full_offset + shard_numel * world_size),
-                    Range(shard_offset, shard_offset + shard_numel), self,
+                    Range(shard_starts[position], shard_starts[position] + shard_numel), self, param.requires_grad,
                 )
             )
             full_offset += shard_numel * world_size
-            shard_offset += shard_numel
         self.shard_numel = shard_offset
+        self.trained_numel = sum(sp.shard_numel for sp in self.params if sp.trained)  # T
         master_device = master_device or device
         shard_device = shard_device or device
         self.shard = _zeros(shard_offset, param_dtype, shard_device, pin)
@@ -183,25 +204,22 @@ class ShardedUnit:
         self.master_dtype = master_dtype(param_dtype)
         same = param_dtype == self.master_dtype and master_device == shard_device
         self.master = self.shard if same else _zeros(shard_offset, self.master_dtype, master_device, pin)
-        # A unit of frozen parameters only (a frozen backbone's blocks) is never reduced into nor
-        # stepped: its master gradient is zeros with no memory behind them (a stride-0 view, which
-        # the pieces' holders can still slice), and it has no staging. Its master stays: checkpoints
-        # read the frozen weights from it, at full precision.
-        trained = any(param.requires_grad for _, param in named_params)
-        self.master_grad = _zeros(shard_offset, self.master_dtype, master_device, pin) if trained else \
-            torch.zeros((), dtype=self.master_dtype, device=master_device).expand(shard_offset)
+        # The trained pieces' master gradient [T] (see [Note: trained pieces first]). The master
+        # spans the frozen pieces too: checkpoints read the frozen weights from it, at full precision.
+        self.master_grad = _zeros(self.trained_numel, self.master_dtype, master_device, pin)
         # Offloaded, low-precision: the CPU step writes the rounded pieces here (the shard itself
         # when it lives on the CPU too), and they are copied to the device shard from here.
         self.staging: Tensor | None = None
-        if offloaded and trained and param_dtype != self.master_dtype:
-            self.staging = self.shard if shard_device.type == "cpu" else _zeros(shard_offset, param_dtype, CPU, pin)
+        if offloaded and self.trained_numel and param_dtype != self.master_dtype:
+            self.staging = self.shard if shard_device.type == "cpu" else \
+                _zeros(self.trained_numel, param_dtype, CPU, pin)
         # The full buffer exists from the start with its final size but no storage: parameters can
         # be views of it before any unit is allocated, so the model is never whole.
         self.full = torch.empty(full_offset, dtype=param_dtype, device=device)
         self.full.untyped_storage().resize_(0)
-        # The local gradient [N * S] rank-major, only while gradients accumulate.
-        self.reduction = Reduction(name, shard_offset, world_size, rank, grad_dtype, device, keep_buffer=False,
-                                   expected_grads=len(self.params), label="zero3")
+        # The trained pieces' local gradient [N * T] rank-major, only while gradients accumulate.
+        self.reduction = Reduction(name, self.trained_numel, world_size, rank, grad_dtype, device, keep_buffer=False,
+                                   expected_grads=sum(sp.trained for sp in self.params), label="zero3")
         self.reduction.master_grad = self.master_grad
         self.state = UnitState.SHARDED
         self.refcount = 0
@@ -361,7 +379,7 @@ class ShardedUnit:
 
     @torch.no_grad()
     def accumulate(self, sp: ShardedParam, grad: Tensor) -> None:
-        by_rank = self.reduction.local_grad().view(self.world_size, self.shard_numel)
+        by_rank = self.reduction.local_grad().view(self.world_size, self.trained_numel)
         padded = sp.padded(grad, self.grad_dtype, grad.device)
         by_rank[:, sp.shard_range.start : sp.shard_range.end].add_(padded.view(self.world_size, sp.shard_numel))
 
