@@ -4,6 +4,7 @@
     python benchmarks/peers.py                           # all, 2 gloo ranks, 2 rounds: about 8 min on 2 cores
     python benchmarks/peers.py --configs ds_stage2 zero2 --rounds 3 --precision 32-true
     python benchmarks/peers.py --configs ds_stage2_offload zero2_offload --trace-dir traces/   # per-rank traces
+    python benchmarks/peers.py --configs ds_stage3 zero3 --lora-rank 8    # LoRA: frozen GPT, trained adapters
 
 Configurations (``ddp`` always runs: every ratio is to DDP measured in the same run):
 
@@ -820,7 +821,7 @@ def markdown_table(results: Sequence[PeerResult], spec: PeerSpec, rounds: int, c
     baseline = next((r for r in results if r.config == BASELINE and r.error is None), None)
     ran = next((r for r in results if r.error is None), None)
     knobs = spec.model
-    model_line = f"{ran.num_params / 1e6:.2f} M parameters from {ran.model_source}" if ran else "nothing ran"
+    model_line = step_time.describe_model(ran.num_params, ran.model_source, knobs) if ran else "nothing ran"
     backend = "nccl on CUDA" if spec.device == "cuda" else "gloo on CPU"
     lines = [
         f"Per rank, {spec.world_size} ranks, {backend}, {spec.precision}; median of {spec.steps} steps after"

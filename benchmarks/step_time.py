@@ -2,6 +2,7 @@
 
     python benchmarks/step_time.py                       # defaults: 2 ranks, about 70 s on 2 idle cores
     python benchmarks/step_time.py --strategies zero2 --steps 20 --n-embd 384 --bucket-size 500000
+    python benchmarks/step_time.py --strategies zero3 --lora-rank 8     # frozen GPT, trained adapters
     git worktree add /tmp/before HEAD~3 && \
     python benchmarks/step_time.py --strategies zero1 zero2 zero3 --compare-tree /tmp/before --repeats 3
 
@@ -79,6 +80,9 @@ class ModelKnobs:
     block_size: int
     vocab_size: int
     batch_size: int
+    lora_rank: int = 0
+    """Above 0: the GPT is frozen and trains a low-rank adapter of this rank beside every Linear
+    (see :func:`add_low_rank_adapters`)."""
 
 
 @dataclass(frozen=True)
@@ -251,10 +255,45 @@ def _build_model(spec: RunSpec) -> tuple[Any, str]:
             sys.path.insert(0, str(GPT_EXAMPLE_DIR))
         from model import GPT  # examples/gpt/model.py
     except Exception as error:  # noqa: BLE001 - any import failure means: use the stand-in
-        return _fallback_gpt_class()(**kwargs), f"benchmark's own nanoGPT (examples/gpt: {_one_line(error)})"
+        fallback = _fallback_gpt_class()(**kwargs)
+        add_low_rank_adapters(fallback, knobs.lora_rank)
+        return fallback, f"benchmark's own nanoGPT (examples/gpt: {_one_line(error)})"
     # Without max_steps the demo asks the trainer for its step budget; give it so that the
     # learning-rate schedule is the same whatever the strategy.
-    return GPT(**kwargs, max_steps=spec.warmup + spec.steps), "examples/gpt/model.py"
+    model = GPT(**kwargs, max_steps=spec.warmup + spec.steps)
+    add_low_rank_adapters(model, knobs.lora_rank)
+    return model, "examples/gpt/model.py"
+
+
+def add_low_rank_adapters(model: Any, rank: int) -> None:
+    """With ``rank`` > 0, freezes ``model`` and gives every ``nn.Linear`` a trained low-rank update
+    (``x @ down.T @ up.T`` added to its output; ``up`` starts at zero, as in LoRA), registered on
+    the Linear itself after its frozen weight, as peft's LoRA layers hold theirs: at ZeRO-3 each
+    unit then mixes frozen and trained parameters. Every strategy sees the same model."""
+    if rank <= 0:
+        return
+    import torch
+    from torch import nn
+
+    model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(0)
+    for linear in [module for module in model.modules() if isinstance(module, nn.Linear)]:
+        down = torch.randn(rank, linear.in_features, generator=generator) / linear.in_features**0.5
+        linear.register_parameter("lora_down", nn.Parameter(down))
+        linear.register_parameter("lora_up", nn.Parameter(torch.zeros(linear.out_features, rank)))
+        linear.register_forward_hook(_low_rank_update)
+
+
+def describe_model(num_params: int, source: str, knobs: ModelKnobs) -> str:
+    """The table captions' words for the model that ran."""
+    line = f"{num_params / 1e6:.2f} M parameters from {source}"
+    if knobs.lora_rank:
+        line += f", frozen, with rank-{knobs.lora_rank} adapters beside every Linear"
+    return line
+
+
+def _low_rank_update(linear: Any, args: tuple[Any, ...], output: Any) -> Any:
+    return output + (args[0] @ linear.lora_down.t().to(args[0].dtype)) @ linear.lora_up.t().to(args[0].dtype)
 
 
 def _build_loader(spec: RunSpec) -> Any:
@@ -519,8 +558,8 @@ def print_table(results: Sequence[StrategyResult], spec: RunSpec, command: str, 
     from rich.text import Text
 
     ran = next((r for r in results if r.error is None), None)
-    model_line = f"{ran.num_params / 1e6:.2f} M parameters from {ran.model_source}" if ran else "no strategy ran"
     knobs = spec.model
+    model_line = describe_model(ran.num_params, ran.model_source, knobs) if ran else "no strategy ran"
     table = Table(
         title=(
             f"Per rank, {spec.world_size} gloo ranks on CPU, median of {spec.steps} steps after {spec.warmup}"
@@ -678,11 +717,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, batch_size: int) -> Non
     parser.add_argument("--block-size", type=_positive_int, default=64)
     parser.add_argument("--vocab-size", type=_positive_int, default=65)
     parser.add_argument("--batch-size", type=_positive_int, default=batch_size, help="samples per rank per step")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="above 0: freeze the GPT and train a low-rank adapter of this rank beside every Linear")
 
 
 def model_knobs(args: argparse.Namespace) -> ModelKnobs:
     """The :class:`ModelKnobs` of arguments declared by :func:`add_model_arguments`."""
-    return ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size)
+    return ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size,
+                      max(0, args.lora_rank))
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -272,7 +272,8 @@ class GPT(LightningModule):
         return idx
 
     def param_groups(self) -> list[dict[str, Any]]:
-        """Two AdamW groups: decay for >=2-D weights (matmuls, embeddings), none for the rest.
+        """Two AdamW groups of the trainable parameters: decay for >=2-D weights (matmuls,
+        embeddings), none for the rest.
 
         Biases and LayerNorm gains are 1-D; decaying them toward zero only hurts. Parameters
         are deduplicated by identity because the tied embedding / lm_head weight is one
@@ -287,10 +288,13 @@ class GPT(LightningModule):
                 continue
             seen.add(id(param))
             (decay if param.dim() >= 2 else no_decay).append(param)
-        return [
+        groups = [
             {"params": decay, "weight_decay": self.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
+        # A group left empty by freezing (only adapters train) is dropped: DeepSpeed drops it too,
+        # and its schedulers then see fewer groups than they were made for.
+        return [group for group in groups if group["params"]]
 
     def _schedule_steps(self) -> int:
         if self.max_steps is not None:
