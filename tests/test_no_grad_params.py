@@ -418,5 +418,5 @@ def test_a_parameter_unfrozen_in_configure_optimizers_trains_or_is_named(results
         _assert_matches(per_rank["configure_zero2"], per_rank["configure_ddp"])
         message = per_rank["configure_zero3"]["message"]
         assert "'head.weight', 'head.bias' were frozen (requires_grad=False) when ZeRO-3 sharded the model" in message
-        assert "set requires_grad in __init__, setup or configure_model" in message
+        assert "set requires_grad before then, e.g. in __init__, setup or configure_model" in message
         assert per_rank["configure_zero3"]["losses"] == []

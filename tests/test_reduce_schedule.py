@@ -1264,3 +1264,105 @@ def test_a_mixed_unit_reduces_and_holds_gradients_of_its_trained_pieces_only(wor
         else:
             assert not torch.equal(master, initial[name]), name
             assert torch.allclose(master, param.detach(), atol=1e-6), name
+
+
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_parameter_frozen_after_the_layout_brings_no_gradient_and_holds_no_unit() -> None:
+    """A parameter laid out as trained and frozen later (configure_optimizers, a callback) brings
+    no gradient: its unit neither waits for it nor stays gathered through the rest of backward (at
+    most the unit in use and the next one are, as when nothing is frozen), and the others train
+    as torch trains them."""
+    from lightning_zero.zero.stage3.unit import UnitState
+
+    peaks = []
+    for freeze_later in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[TwoLinears() for _ in range(4)])
+        reference = copy.deepcopy(model)
+        config = ZeroConfig(stage=3, unit_modules=("TwoLinears",), param_persistence_threshold=0, prefetch_units=0)
+        engine = Zero3Engine(model, FakeCollectives(world_size=1), config, param_dtype=torch.float32,
+                             device=CPU)  # type: ignore[arg-type]
+        engine.shard()
+        engine.install_hooks()
+        if freeze_later:
+            for block, twin in zip(model, reference):
+                block.a.weight.requires_grad_(False)
+                twin.a.weight.requires_grad_(False)
+        optimizer = Zero3Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine, config)
+        torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        peak = 0
+
+        def probe(grad: Tensor) -> Tensor:
+            nonlocal peak
+            peak = max(peak, sum(unit.state is UnitState.GATHERED for unit in engine.units))
+            return grad
+
+        for _ in range(2):
+            x = torch.randn(2, 8, requires_grad=True)
+            hidden = x
+            for block in model:
+                hidden = block(hidden)
+                hidden.register_hook(probe)
+            hidden.sum().backward()
+            engine.end_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            reference(x).sum().backward()
+            torch_optimizer.step()
+            torch_optimizer.zero_grad()
+        peaks.append(peak)
+        with engine.gathered():
+            for (name, param), twin in zip(model.named_parameters(), reference.parameters()):
+                assert torch.allclose(param, twin, atol=1e-6), name
+    # With a frozen weight the unit goes once its input's gradient is there: the probe on that
+    # same gradient runs first and sees it still gathered (one more), never all four.
+    assert peaks[1] <= peaks[0] + 1 < 4, peaks
+
+
+class FrozenTable(nn.Module):
+    """A fixed table that its reset_parameters() fills and freezes: ZeRO-3 calls it as it
+    materializes a model built on the meta device, after the units were laid out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(16, 8))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.copy_(torch.sin(torch.arange(128.0).view(16, 8)))
+        self.weight.requires_grad_(False)
+
+    def forward(self, index: Tensor) -> Tensor:
+        return self.weight[index]
+
+
+def test_a_parameter_frozen_by_reset_parameters_on_the_meta_device_is_frozen() -> None:
+    """It was laid out as trained (requires_grad when the units were made) and is frozen when the
+    hooks go in: it gets none and is left out of the step, as a parameter frozen later is."""
+    from lightning_zero.strategy import _reset_parameters
+    from lightning_zero.zero.engine import make_engine
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(FrozenTable(), nn.Linear(8, 8))
+    config = ZeroConfig(stage=3, param_persistence_threshold=0, prefetch_units=0)
+    engine = make_engine(model, FakeCollectives(world_size=1), config, None, CPU,  # type: ignore[arg-type]
+                         init=_reset_parameters)
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+    assert [param.requires_grad for param in model.parameters()] == [False, True, True]
+    for _ in range(2):
+        model(torch.tensor([1, 5, 7])).sum().backward()
+        engine.end_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with engine.gathered():
+        assert torch.equal(model[0].weight, torch.sin(torch.arange(128.0).view(16, 8)))

@@ -164,7 +164,10 @@ class Zero3Hooks:
         # buffers] in reduce.py).
         self.schedule.reuse_buffers()
         for sp in self.sharded_params.values():
-            if sp.trained:  # see [Note: trained pieces first] in unit.py
+            # Laid out as trained (see [Note: trained pieces first] in unit.py) and still trainable:
+            # a reset_parameters() that froze it as the model was materialized leaves it frozen
+            # after the layout was made, as if frozen later (no gradient, the optimizer skips it).
+            if sp.trained and sp.param.requires_grad:
                 self._hook_handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _enclosing_units(self, prefix: str) -> list[ShardedUnit]:
@@ -223,7 +226,7 @@ class Zero3Hooks:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, lambda grads, unit=unit: self._pre_backward(unit), mode="any"
                     )
-                    if unit.trainable_count < len(unit.params):
+                    if unit.expect_current_grads() < len(unit.params):
                         self._release_after_input_grads(unit, args)
             return output
 
@@ -245,6 +248,7 @@ class Zero3Hooks:
             if in_backward():
                 return output
             self._enter("post-forward hook")
+            root.expect_current_grads()
             self.release(root)
             if root.refcount == 0 and torch.is_grad_enabled():
                 # Nobody holds it for a backward of this forward: gather it again when one comes.
@@ -270,7 +274,7 @@ class Zero3Hooks:
 
         def done(grads: Any) -> None:
             unit.pending_input_grads -= 1
-            if unit.pending_input_grads == 0 and (unit.trainable_count == 0 or unit.reduction.complete):
+            if unit.pending_input_grads == 0 and (unit.reduction.expected_grads == 0 or unit.reduction.complete):
                 self._done_with_backward(unit)
 
         torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all")

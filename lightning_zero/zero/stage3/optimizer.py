@@ -63,8 +63,10 @@ class Zero3Layout:
             raise RuntimeError(
                 f"The parameter(s) {some_of(unfrozen)} were frozen (requires_grad=False) when ZeRO-3 sharded the model"
                 f" and are trainable in {type(optimizer).__name__} now: they have no gradient shard and would not"
-                " train. The engine takes the trainable set when it shards the module, before configure_optimizers"
-                " runs: set requires_grad in __init__, setup or configure_model instead of in configure_optimizers."
+                " train. The engine takes the trainable set when it shards the module (the strategy's setup, before"
+                " configure_optimizers and before a module built in configure_model is initialized; under Fabric,"
+                " fabric.setup): set requires_grad before then, e.g. in __init__, setup or configure_model, not in"
+                " configure_optimizers or a module's reset_parameters()."
             )
         # This optimizer's parameters of each unit, in order (the step publishes them unit by unit).
         self.members: dict[ShardedUnit, list[ShardedParam]] = {}

@@ -196,6 +196,7 @@ class ShardedUnit:
             full_offset += shard_numel * world_size
         self.shard_numel = shard_offset
         self.trained_numel = sum(sp.shard_numel for sp in self.params if sp.trained)  # T
+        self._trained_count = sum(1 for sp in self.params if sp.trained)
         master_device = master_device or device
         shard_device = shard_device or device
         self.shard = _zeros(shard_offset, param_dtype, shard_device, pin)
@@ -219,7 +220,7 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(0)
         # The trained pieces' local gradient [N * T] rank-major, only while gradients accumulate.
         self.reduction = Reduction(name, self.trained_numel, world_size, rank, grad_dtype, device, keep_buffer=False,
-                                   expected_grads=sum(sp.trained for sp in self.params), label="zero3")
+                                   expected_grads=self._trained_count, label="zero3")
         self.reduction.master_grad = self.master_grad
         self.state = UnitState.SHARDED
         self.refcount = 0
@@ -370,8 +371,16 @@ class ShardedUnit:
     # ------------------------------------------------------------------ gradients
     @property
     def trainable_count(self) -> int:
-        """Parameters of the unit that get gradients: those one backward's reduction waits for."""
-        return self.reduction.expected_grads
+        """Parameters of the unit laid out as trained (see [Note: trained pieces first])."""
+        return self._trained_count
+
+    def expect_current_grads(self) -> int:
+        """Sets how many gradients a backward of this unit brings: its trained parameters that
+        still require one (a parameter frozen after the engine was built, in configure_optimizers or
+        by a callback, brings none, and the unit must not wait for it to be released); returns it."""
+        count = sum(1 for sp in self.params if sp.trained and sp.param.requires_grad)
+        self.reduction.expected_grads = count
+        return count
 
     @property
     def grad_data(self) -> Tensor | None:
@@ -384,8 +393,9 @@ class ShardedUnit:
         by_rank[:, sp.shard_range.start : sp.shard_range.end].add_(padded.view(self.world_size, sp.shard_numel))
 
     def tile(self, params: Sequence[ShardedParam]) -> ShardTile:
-        """The unit's master shard as one tile, holding the pieces of ``params`` (of one optimizer)."""
-        return ShardTile(self.shard_numel, tuple(sp.piece() for sp in params))
+        """The unit's master shard up to the last of ``params`` (of one optimizer) as one tile,
+        holding their pieces: trained pieces come first, so the frozen rest is not gathered."""
+        return ShardTile(max((sp.shard_range.end for sp in params), default=0), tuple(sp.piece() for sp in params))
 
     @torch.no_grad()
     def publish_master(self, params: Sequence[ShardedParam], staged: bool) -> None:
