@@ -17,7 +17,7 @@ from lightning_zero.deepspeed_config import DeepSpeedConfigWarning, DeepSpeedSet
 from lightning_zero.zero.stage3.partition import SmallUnitsWarning
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.loss_scaler import LossScaleAtMinimumError, LossScaleConfig, LossScaler
-from lightning_zero.precision import ZeroPrecision
+from lightning_zero.precision import FrozenRoundingWarning, ZeroPrecision
 from lightning_zero.profiling import MemoryBreakdown, MemoryEstimate, estimate_memory
 from lightning_zero.fabric import ZeroFabricPrecision, ZeroFabricStrategy
 from lightning_zero.strategy import ZeroStrategy, gather_after_error, grad_norm
@@ -48,6 +48,7 @@ __all__ = [
     "Collectives",
     "CountingCollectives",
     "DeepSpeedConfigWarning",
+    "FrozenRoundingWarning",
     "SmallUnitsWarning",
     "DeepSpeedSettings",
     "LossScaleAtMinimumError",

@@ -59,7 +59,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.deepspeed_config import DeepSpeedConfigWarning, DeepSpeedSettings
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.parallel.mesh import sync_module_states
-from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
+from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, warn_frozen_rounding
 from lightning_zero.strategy import (
     _auto_fp16_loss_scale,
     _check_params_in_one_optimizer,
@@ -314,6 +314,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     def _cast_module(self) -> None:
         if self._cast_pending and self._module is not None:
+            warn_frozen_rounding(self._module, self.config.stage, self._zero_precision())
             self._zero_precision().cast_module(self._module)
             self._cast_pending = False
 

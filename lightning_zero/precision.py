@@ -30,6 +30,7 @@ from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeC
 from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
@@ -37,6 +38,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero._messages import some_of
 from lightning_zero.loss_scaler import LossScaleConfig, LossScaler
 from lightning_zero.zero.optimizer import ShardedOptimizer
 
@@ -206,3 +208,34 @@ def cast_norm_statistics(module: Module, dtype: torch.dtype) -> None:
             for name, buffer in submodule.named_buffers(recurse=False):
                 if buffer is not None and buffer.is_floating_point():
                     setattr(submodule, name, buffer.to(dtype))
+
+
+class FrozenRoundingWarning(UserWarning):
+    """Frozen fp32 parameters held in bf16/fp16 at stages 1/2 (see :func:`warn_frozen_rounding`)."""
+
+
+def warn_frozen_rounding(module: Module | None, stage: int, precision: Any) -> None:
+    """Stages 1/2 give fp32 masters to the parameters the optimizers train only; under a -mixed
+    precision a frozen parameter is held in the compute dtype alone, so its fp32 value rounds for
+    good: the module is handed back, and checkpoints are written, with the rounded value. Said
+    once, before the cast, naming them (a frozen weight already in that dtype loses nothing)."""
+    if stage == 3 or module is None or not isinstance(precision, ZeroPrecision) or not precision.mixed:
+        return
+    dtype = precision.param_dtype
+    if dtype is None:
+        return
+    rounded = [
+        name for name, param in module.named_parameters()
+        if not param.requires_grad and param.dtype == torch.float32 and not param.is_meta
+        and not torch.equal(param.detach(), param.detach().to(dtype).to(torch.float32))
+    ]
+    if rounded:
+        rank_zero_warn(
+            f"{len(rounded)} frozen fp32 parameter(s) ({some_of(rounded)}) are held in {str(dtype).replace('torch.', '')}"
+            f" under precision={precision.precision!r} at ZeRO stage {stage}, which keeps fp32 masters for trained"
+            " parameters only: their values round for good, and the module handed back after fit (in that dtype)"
+            f" and every checkpoint hold the rounded values. To keep them exact, use stage 3 (it keeps an fp32 master of"
+            f" frozen parameters too), or load them in {str(dtype).replace('torch.', '')} to begin with (nothing is"
+            " then lost), or train with precision='32-true'.",
+            category=FrozenRoundingWarning,
+        )

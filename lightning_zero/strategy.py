@@ -101,7 +101,7 @@ from lightning_zero.pipeline_steps import PipelineSteps
 from lightning_zero.parallel.tensor import TensorParallelParams, materialize_tensor_parallel
 from lightning_zero.loss_scaler import LossScaleConfig
 from lightning_zero.offload import CPUOffloadPolicy
-from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics
+from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics, warn_frozen_rounding
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import agree_after_batch, agree_before_step, agree_on_batches, check_same_model
@@ -429,6 +429,7 @@ class ZeroStrategy(ParallelStrategy):
             # Before the precision cast: the fp32 master shards are taken from the fp32 weights.
             self.setup_optimizers(trainer)
             self._skip_scheduler_steps_of_skipped_optimizer_steps()
+        warn_frozen_rounding(self.lightning_module, self.config.stage, self.precision_plugin)
         self.model = self.precision_plugin.convert_module(self.model)
         self.setup_precision_plugin()
 

@@ -273,3 +273,53 @@ def test_batch_norm_trains_in_bf16_mixed_and_comes_back_in_fp32(results: list[di
         for stage, record in per_rank["batch_norm"].items():
             assert len(record["losses"]) == 6 and all(math.isfinite(loss) for loss in record["losses"]), stage
             assert record["handed_back"] == {torch.float32}, stage
+
+
+class FrozenBase(pl.LightningModule):
+    """A frozen Linear (fp32, or already bf16 with ``bf16_base``) and a trained one."""
+
+    def __init__(self, bf16_base: bool) -> None:
+        super().__init__()
+        self.base = nn.Linear(16, 16).requires_grad_(False)
+        if bf16_base:
+            self.base.to(torch.bfloat16)
+        self.adapter = nn.Linear(16, 16)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return self.adapter(self.base(batch[0])).float().pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.adapter.parameters(), lr=1e-3)
+
+
+def _frozen_rounding_warnings() -> dict[str, list[str]]:
+    import warnings
+
+    from lightning_zero import FrozenRoundingWarning
+
+    out = {}
+    for case, stage, precision, bf16_base in (("zero2", 2, "bf16-mixed", False), ("zero1", 1, "bf16-mixed", False),
+                                              ("zero3", 3, "bf16-mixed", False), ("bf16_base", 2, "bf16-mixed", True),
+                                              ("fp32", 2, "32-true", False)):
+        torch.manual_seed(0)
+        module = FrozenBase(bf16_base)
+        with launched_environment(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage), precision=precision,
+                                 max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False)
+            trainer.fit(module, DataLoader(TensorDataset(torch.randn(4, 16)), batch_size=4))
+        out[case] = [str(w.message) for w in caught if issubclass(w.category, FrozenRoundingWarning)]
+    return out
+
+
+def test_frozen_fp32_parameters_rounded_at_stages_1_2_are_named() -> None:
+    """Stages 1/2 keep fp32 masters of trained parameters only: under -mixed a frozen fp32 weight
+    rounds for good, which a warning says once, naming it and the ways to keep it exact. Stage 3
+    (fp32 masters of frozen pieces too), a base already in bf16 and 32-true lose nothing: no warning."""
+    out = run_on_ranks(_frozen_rounding_warnings, 1)[0]
+    for case in ("zero2", "zero1"):
+        assert len(out[case]) == 1, out
+        assert "2 frozen fp32 parameter(s) ('base.weight', 'base.bias') are held in bfloat16" in out[case][0]
+        assert "use stage 3" in out[case][0] and "precision='32-true'" in out[case][0]
+    assert out["zero3"] == out["bf16_base"] == out["fp32"] == []
