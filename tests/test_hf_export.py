@@ -263,6 +263,23 @@ def test_a_compiled_model_is_exported_under_the_keys_of_the_model_it_compiled(tm
     assert set(_exported_keys(explicit)) == {"linear.weight", "h.0.bias"}
 
 
+def test_peft_adapter_layers_are_refused_with_the_ways_to_export_them(tmp_path: Path) -> None:
+    """A LoRA model as peft wraps it saves ``base_layer.weight`` beside ``lora_A.default.weight``,
+    names no base model has: from_pretrained would initialize every adapted layer at random."""
+    lightning = {"pytorch-lightning_version": "2.6.6", "global_step": 1}
+    prefix = "model.base_model.model.transformer.h.0.attn.c_attn."
+    ckpt = _checkpoint(tmp_path / "peft.ckpt", {prefix + "base_layer.weight": torch.randn(4, 4),
+                                                prefix + "lora_A.default.weight": torch.randn(2, 4),
+                                                prefix + "lora_B.default.weight": torch.randn(4, 2)}, {}, lightning)
+    for strip_prefix in (None, "model.base_model.model."):
+        with pytest.raises(CheckpointError) as refused:
+            consolidate_hf(ckpt, tmp_path / "out", strip_prefix=strip_prefix, progress=False)
+        message = str(refused.value)
+        assert "holds peft adapter layers (" in message and "c_attn.base_layer.weight'" in message
+        assert "c_attn.lora_A.default.weight'" in message and "merge_and_unload()" in message
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tied_weight_is_written_once_unless_what_it_is_tied_to_is_left_out(tmp_path: Path) -> None:
     embed, norm = torch.randn(5, 4), torch.randn(4)
     ckpt = _checkpoint(tmp_path / "tied.ckpt", {"model.embed.weight": embed, "model.norm.weight": norm},

@@ -253,6 +253,28 @@ def _uncompiled(key: str) -> str:
     return ".".join(part for part in key.split(".") if part != "_orig_mod")
 
 
+def _refuse_adapter_layers(source: Path, keys: list[str]) -> None:
+    """peft wraps each adapted layer, so its base weights are saved as ``...base_layer.weight``
+    beside ``...lora_A.default.weight``: no Hugging Face base model has those names, and
+    from_pretrained would load none of the adapted layers, initializing them at random with a log
+    line only. Such a checkpoint is refused with the ways to export it."""
+    wrapped = [key for key in keys if ".base_layer." in f".{key}"]
+    if not wrapped:
+        return
+    adapters = [key for key in keys if any(f".{name}" in f".{key}" for name in _ADAPTER_NAMES)]
+    raise CheckpointError(
+        f"{source} holds peft adapter layers ({', '.join(repr(key) for key in (wrapped[:1] + adapters[:1]))}, ...):"
+        " a Hugging Face model's from_pretrained knows none of these names and would initialize every adapted layer"
+        " at random. Merge the adapters into the base weights before the checkpoint is written (peft's"
+        " merge_and_unload()) and export that, save the adapters alone with peft's save_pretrained, or keep the"
+        " keys as saved with `lightning-zero consolidate` to a .safetensors or .pt file."
+    )
+
+
+# Names peft gives its adapters' parameters and modules (LoRA, DoRA, IA3) beside ``base_layer``.
+_ADAPTER_NAMES = ("lora_A.", "lora_B.", "lora_embedding_A.", "lora_embedding_B.", "lora_magnitude_vector.", "ia3_l.")
+
+
 def _exported_entries(source: Path, meta: CheckpointMeta, model: dict[str, Any],
                       strip_prefix: str | None) -> list[_Entry]:
     """The tensors to write, renamed, in state-dict order: the prefix stripped, ties left out."""
@@ -273,6 +295,7 @@ def _exported_entries(source: Path, meta: CheckpointMeta, model: dict[str, Any],
             log.info(f"stripping the prefix {prefix!r} shared by every key of {source} (pass strip_prefix='' to keep it)")
     else:
         inside = list(model)
+    _refuse_adapter_layers(source, inside)
     extra = [key for key in inside if not isinstance(model[key], _Entry)]
     if extra:
         log.warning(f"the export leaves out the module's non-tensor state {extra[:5]}: safetensors stores tensors only.")
