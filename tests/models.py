@@ -118,3 +118,18 @@ class TiedGPT(TinyGPT):
         for block in self.blocks:
             hidden = block(hidden)
         return self.head(self.norm(hidden))
+
+
+class Adapted(nn.Module):
+    """A frozen Linear (an odd-sized bias) and a trained low-rank update, registered after it as
+    peft's LoRA layers are, with an odd-sized trained gate."""
+
+    def __init__(self, features: int, out_features: int, rank: int = 3) -> None:
+        super().__init__()
+        self.base = nn.Linear(features, out_features).requires_grad_(False)
+        self.down = nn.Parameter(torch.randn(rank, features) / features)
+        self.gate = nn.Parameter(torch.ones(rank))
+        self.up = nn.Parameter(torch.randn(out_features, rank) / rank)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + (x @ self.down.t() * self.gate) @ self.up.t()

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from harness import run_on_ranks
 from lightning_zero import CPUOffloadPolicy, ZeroConfig, ZeroStrategy
-from models import TiedGPT, TinyGPT, fit, max_abs_diff, params_of
+from models import Adapted, TiedGPT, TinyGPT, fit, max_abs_diff, params_of
 
 WORLD = 2
 STEPS = 6
@@ -144,21 +144,6 @@ class ZeroedNotNone(LayerDropGPT):
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         optimizer.zero_grad(set_to_none=False)
-
-
-class Adapted(nn.Module):
-    """A frozen Linear (an odd-sized bias) and a trained low-rank update, registered after it as
-    peft's LoRA layers are, with an odd-sized trained gate."""
-
-    def __init__(self, features: int, out_features: int, rank: int = 3) -> None:
-        super().__init__()
-        self.base = nn.Linear(features, out_features).requires_grad_(False)
-        self.down = nn.Parameter(torch.randn(rank, features) / features)
-        self.gate = nn.Parameter(torch.ones(rank))
-        self.up = nn.Parameter(torch.randn(out_features, rank) / rank)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.base(x) + (x @ self.down.t() * self.gate) @ self.up.t()
 
 
 class LoRAGPT(TinyGPT):

@@ -25,6 +25,7 @@ from lightning_zero.zero.layout import Range, rank_chunk
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.reduce import BufferPool, GradState, ReduceSchedule, Reduction
 from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
+from models import Adapted
 
 CPU = torch.device("cpu")
 RS = "reduce_scatter"
@@ -1197,21 +1198,6 @@ def test_a_unit_of_frozen_parameters_holds_no_master_gradient(precision: torch.d
             assert not torch.equal(masters[name], value), name  # trained
 
 
-class LowRankAdapted(nn.Module):
-    """A frozen Linear and a trained low-rank update of it, registered after the base (as peft's
-    LoRA layers are), with an odd-sized trained gate: the unit's shard puts the trained pieces first."""
-
-    def __init__(self, features: int, rank: int = 3) -> None:
-        super().__init__()
-        self.base = nn.Linear(features, features).requires_grad_(False)
-        self.down = nn.Parameter(torch.randn(rank, features) / features)
-        self.gate = nn.Parameter(torch.ones(rank))
-        self.up = nn.Parameter(torch.randn(features, rank) / rank)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.base(x) + (x @ self.down.t() * self.gate) @ self.up.t()
-
-
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_mixed_unit_reduces_and_holds_gradients_of_its_trained_pieces_only(world_size: int) -> None:
     """[Note: trained pieces first]: a unit of a frozen base weight and its trained adapters holds a
@@ -1220,11 +1206,11 @@ def test_a_mixed_unit_reduces_and_holds_gradients_of_its_trained_pieces_only(wor
     ZeRO, and the frozen weights keep their values, read from the masters as a checkpoint reads
     them (two real ranks: test_no_grad_params.py)."""
     torch.manual_seed(0)
-    model = nn.Sequential(LowRankAdapted(9), nn.ReLU(), LowRankAdapted(9))
+    model = nn.Sequential(Adapted(9, 9), nn.ReLU(), Adapted(9, 9))
     reference = copy.deepcopy(model)
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
-    config = ZeroConfig(stage=3, unit_modules=("LowRankAdapted",), param_persistence_threshold=0, prefetch_units=0)
+    config = ZeroConfig(stage=3, unit_modules=("Adapted",), param_persistence_threshold=0, prefetch_units=0)
     # With two ranks the peer is this rank's echo: the structure is checked, not the values.
     fake = FakeCollectives(world_size=world_size)
     fake.gather_peer = lambda shard: [shard.clone()]
