@@ -322,7 +322,11 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         """The pending cast of a model set up without optimizers; at stage 3, a forward that
         records a graph keeps the root unit gathered for its backward (see [Note: the engine
         under Fabric]); a forward without gradients gathers it per call."""
-        self._cast_module()
+        # Stages 1/2 keep fp32 masters only for what an optimizer trains: a -mixed model without
+        # one (inference) would round for good if cast, so it runs in fp32 under autocast, as with
+        # DDP, until an optimizer is set up.
+        if self.config.stage == 3 or self._optimizers or not self._zero_precision().mixed:
+            self._cast_module()
         if torch.is_grad_enabled() and self._engine is not None and self._engine.stage_shards_params:
             self._engine.hold_for_step()
 

@@ -429,8 +429,14 @@ class ZeroStrategy(ParallelStrategy):
             # Before the precision cast: the fp32 master shards are taken from the fp32 weights.
             self.setup_optimizers(trainer)
             self._skip_scheduler_steps_of_skipped_optimizer_steps()
-        warn_frozen_rounding(self.lightning_module, self.config.stage, self.precision_plugin)
-        self.model = self.precision_plugin.convert_module(self.model)
+        precision = self.precision_plugin
+        if trainer.state.fn == TrainerFn.FITTING or self.config.stage == 3 or not (
+                isinstance(precision, ZeroPrecision) and precision.mixed):
+            warn_frozen_rounding(self.lightning_module, self.config.stage, precision)
+            self.model = precision.convert_module(self.model)
+        # else: stages 1/2 keep fp32 masters only for what an optimizer trains, and validate, test
+        # and predict set none up: cast, the user's weights would round for good. Left in fp32,
+        # the module runs under the -mixed precision's autocast, as with DDP.
         self.setup_precision_plugin()
 
     def _check_deepspeed_against(self, trainer: pl.Trainer) -> None:

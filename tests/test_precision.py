@@ -323,3 +323,66 @@ def test_frozen_fp32_parameters_rounded_at_stages_1_2_are_named() -> None:
         assert "2 frozen fp32 parameter(s) ('base.weight', 'base.bias') are held in bfloat16" in out[case][0]
         assert "use stage 3" in out[case][0] and "precision='32-true'" in out[case][0]
     assert out["zero3"] == out["bf16_base"] == out["fp32"] == []
+
+
+class Evaluated(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.seen_dtypes: set[torch.dtype] = set()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.linear(x)
+        self.seen_dtypes.add(out.dtype)
+        return out
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self.log("loss", self(batch[0]).float().pow(2).mean())
+
+    def test_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self.log("loss", self(batch[0]).float().pow(2).mean())
+
+    def predict_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0])
+
+
+def _evaluations_keep_the_weights() -> dict[str, Any]:
+    from lightning.fabric import Fabric
+
+    from lightning_zero import ZeroFabricStrategy
+
+    data = DataLoader(TensorDataset(torch.randn(8, 16)), batch_size=4)
+    out: dict[str, Any] = {}
+    for stage in (1, 2, 3):
+        for run in ("validate", "test", "predict"):
+            torch.manual_seed(0)
+            module = Evaluated()
+            before = module.linear.weight.detach().clone()
+            with launched_environment():
+                trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage),
+                                     precision="bf16-mixed", logger=False, enable_progress_bar=False,
+                                     enable_model_summary=False)
+                getattr(trainer, run)(module, data, **({} if run == "predict" else {"verbose": False}))
+            out[f"zero{stage}_{run}"] = (module.linear.weight.dtype, torch.equal(module.linear.weight, before),
+                                         module.seen_dtypes)
+    torch.manual_seed(0)
+    with launched_environment():
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(stage=2), precision="bf16-mixed")
+        fabric.launch()  # the rank exists already: nothing is started
+        model = nn.Linear(16, 16)
+        before = model.weight.detach().clone()
+        fabric_model = fabric.setup_module(model)
+        with torch.no_grad():
+            output = fabric_model(torch.randn(4, 16))
+    out["fabric_inference"] = (model.weight.dtype, torch.equal(model.weight, before), {output.dtype})
+    return out
+
+
+def test_evaluating_at_stages_1_2_under_mixed_precision_keeps_the_weights_exact() -> None:
+    """validate/test/predict set no optimizer up, so stages 1/2 hold no fp32 masters: the module
+    stays fp32 and runs under autocast (as with DDP), instead of being cast and handed back
+    rounded to bf16 for good. Fabric's inference (a module without optimizer) too."""
+    out = run_on_ranks(_evaluations_keep_the_weights, 1)[0]
+    for case, (dtype, unchanged, seen) in out.items():
+        assert dtype == torch.float32 and unchanged, case
+        assert seen == {torch.bfloat16}, case  # the compute is bf16 all the same
