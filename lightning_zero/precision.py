@@ -20,7 +20,7 @@ asks the ZeRO optimizer for the true global norm instead and logs it as ``grad_n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Collection, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -211,14 +211,16 @@ def cast_norm_statistics(module: Module, dtype: torch.dtype) -> None:
 
 
 class FrozenRoundingWarning(UserWarning):
-    """Frozen fp32 parameters held in bf16/fp16 at stages 1/2 (see :func:`warn_frozen_rounding`)."""
+    """fp32 parameters no optimizer trains, held in bf16/fp16 at stages 1/2 (see
+    :func:`warn_frozen_rounding`)."""
 
 
-def warn_frozen_rounding(module: Module | None, stage: int, precision: Any) -> None:
-    """Stages 1/2 give fp32 masters to the parameters the optimizers train only; under a -mixed
-    precision a frozen parameter is held in the compute dtype alone, so its fp32 value rounds for
-    good: the module is handed back, and checkpoints are written, with the rounded value. Said
-    once, before the cast, naming them (a frozen weight already in that dtype loses nothing)."""
+def warn_frozen_rounding(module: Module | None, stage: int, precision: Any, mastered: Collection[Tensor]) -> None:
+    """Stages 1/2 give fp32 masters (``mastered``) to the parameters the optimizers train only;
+    under a -mixed precision any other parameter (frozen, or left out of every optimizer) is held
+    in the compute dtype alone, so its fp32 value rounds for good: the module is handed back, and
+    checkpoints are written, with the rounded value. Said once, before the cast, naming them (a
+    weight already in that dtype loses nothing)."""
     if stage == 3 or module is None or not isinstance(precision, ZeroPrecision) or not precision.mixed:
         return
     dtype = precision.param_dtype
@@ -226,16 +228,17 @@ def warn_frozen_rounding(module: Module | None, stage: int, precision: Any) -> N
         return
     rounded = [
         name for name, param in module.named_parameters()
-        if not param.requires_grad and param.dtype == torch.float32 and not param.is_meta
+        if param not in mastered and param.dtype == torch.float32 and not param.is_meta
         and not torch.equal(param.detach(), param.detach().to(dtype).to(torch.float32))
     ]
     if rounded:
+        held = str(dtype).replace("torch.", "")
         rank_zero_warn(
-            f"{len(rounded)} frozen fp32 parameter(s) ({some_of(rounded)}) are held in {str(dtype).replace('torch.', '')}"
-            f" under precision={precision.precision!r} at ZeRO stage {stage}, which keeps fp32 masters for trained"
-            " parameters only: their values round for good, and the module handed back after fit (in that dtype)"
-            f" and every checkpoint hold the rounded values. To keep them exact, use stage 3 (it keeps an fp32 master of"
-            f" frozen parameters too), or load them in {str(dtype).replace('torch.', '')} to begin with (nothing is"
-            " then lost), or train with precision='32-true'.",
+            f"{len(rounded)} fp32 parameter(s) that no optimizer trains ({some_of(rounded)}) are held in {held} under"
+            f" precision={precision.precision!r} at ZeRO stage {stage}, which keeps fp32 masters for what the"
+            " optimizers train only: their values round for good, and the module handed back after fit (in that"
+            " dtype) and every checkpoint hold the rounded values. To keep them exact, use stage 3 (it keeps an fp32"
+            f" master of every parameter), load them in {held} to begin with (nothing is then lost), give the"
+            " trainable ones to an optimizer, or train with precision='32-true'.",
             category=FrozenRoundingWarning,
         )

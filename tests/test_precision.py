@@ -276,11 +276,12 @@ def test_batch_norm_trains_in_bf16_mixed_and_comes_back_in_fp32(results: list[di
 
 
 class FrozenBase(pl.LightningModule):
-    """A frozen Linear (fp32, or already bf16 with ``bf16_base``) and a trained one."""
+    """A frozen Linear (fp32, or already bf16 with ``bf16_base``; trainable but left out of the
+    optimizer with ``frozen=False``) and a trained one."""
 
-    def __init__(self, bf16_base: bool) -> None:
+    def __init__(self, bf16_base: bool, frozen: bool = True) -> None:
         super().__init__()
-        self.base = nn.Linear(16, 16).requires_grad_(False)
+        self.base = nn.Linear(16, 16).requires_grad_(not frozen)
         if bf16_base:
             self.base.to(torch.bfloat16)
         self.adapter = nn.Linear(16, 16)
@@ -298,11 +299,12 @@ def _frozen_rounding_warnings() -> dict[str, list[str]]:
     from lightning_zero import FrozenRoundingWarning
 
     out = {}
-    for case, stage, precision, bf16_base in (("zero2", 2, "bf16-mixed", False), ("zero1", 1, "bf16-mixed", False),
-                                              ("zero3", 3, "bf16-mixed", False), ("bf16_base", 2, "bf16-mixed", True),
-                                              ("fp32", 2, "32-true", False)):
+    for case, stage, precision, bf16_base, frozen in (
+            ("zero2", 2, "bf16-mixed", False, True), ("zero1", 1, "bf16-mixed", False, True),
+            ("unoptimized", 2, "bf16-mixed", False, False), ("zero3", 3, "bf16-mixed", False, True),
+            ("bf16_base", 2, "bf16-mixed", True, True), ("fp32", 2, "32-true", False, True)):
         torch.manual_seed(0)
-        module = FrozenBase(bf16_base)
+        module = FrozenBase(bf16_base, frozen)
         with launched_environment(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage), precision=precision,
@@ -314,13 +316,15 @@ def _frozen_rounding_warnings() -> dict[str, list[str]]:
 
 
 def test_frozen_fp32_parameters_rounded_at_stages_1_2_are_named() -> None:
-    """Stages 1/2 keep fp32 masters of trained parameters only: under -mixed a frozen fp32 weight
-    rounds for good, which a warning says once, naming it and the ways to keep it exact. Stage 3
-    (fp32 masters of frozen pieces too), a base already in bf16 and 32-true lose nothing: no warning."""
+    """Stages 1/2 keep fp32 masters of what the optimizers train only: under -mixed an fp32 weight
+    that is frozen, or trainable but in no optimizer, rounds for good, which a warning says once,
+    naming it and the ways to keep it exact. Stage 3 (fp32 masters of every piece), a base already
+    in bf16 and 32-true lose nothing: no warning."""
     out = run_on_ranks(_frozen_rounding_warnings, 1)[0]
-    for case in ("zero2", "zero1"):
+    for case in ("zero2", "zero1", "unoptimized"):
         assert len(out[case]) == 1, out
-        assert "2 frozen fp32 parameter(s) ('base.weight', 'base.bias') are held in bfloat16" in out[case][0]
+        assert "2 fp32 parameter(s) that no optimizer trains ('base.weight', 'base.bias') are held in bfloat16" in \
+            out[case][0]
         assert "use stage 3" in out[case][0] and "precision='32-true'" in out[case][0]
     assert out["zero3"] == out["bf16_base"] == out["fp32"] == []
 
