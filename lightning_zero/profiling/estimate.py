@@ -178,13 +178,14 @@ def estimate_memory(
             master_on_host = placed is host and device_type != "cpu"
             if not (p_bytes == MASTER_BYTES and master_on_host == shard_on_host):
                 placed.optimizer_states += MASTER_BYTES * part
-        unit = _largest_unit_numel(model, config)
-        trained_unit = _largest_unit_numel(model, config, trained=True)
-        if unit is None or trained_unit is None:
+        largest = _largest_unit_numels(model, config)
+        if largest is None:
             unit = min(mastered, config.min_unit_numel)
             trained_unit = min(numel, unit)
             notes.append(f"stage-3 unit size not known from a parameter count: assumed {unit:,} elements"
                          " (ZeroConfig.min_unit_numel)")
+        else:
+            unit, trained_unit = largest
         prefetch = config.prefetch_units if config.prefetch_bytes is None else max(
             0, config.prefetch_bytes // max(1, p_bytes * unit))
         # The unit being computed and those prefetched, but never more than the whole model.
@@ -228,9 +229,9 @@ def _persistent_numel(model: nn.Module | int, config: ZeroConfig) -> int:
     return sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.numel() < config.param_persistence_threshold)
 
 
-def _largest_unit_numel(model: nn.Module | int, config: ZeroConfig, trained: bool = False) -> int | None:
-    """The largest stage-3 unit's elements (frozen parameters included: they are gathered too), or
-    with ``trained`` its trained parameters' (those it reduces), from the module's own unit choice
+def _largest_unit_numels(model: nn.Module | int, config: ZeroConfig) -> tuple[int, int] | None:
+    """The largest stage-3 unit's elements (frozen parameters included: they are gathered too) and
+    the largest unit's trained elements (those it reduces), from the module's own unit choice
     (None for a count)."""
     if not isinstance(model, nn.Module):
         return None
@@ -238,14 +239,16 @@ def _largest_unit_numel(model: nn.Module | int, config: ZeroConfig, trained: boo
 
     units = partition.choose_unit_modules(model, config.unit_modules, config.min_unit_numel)
     sizes: dict[str, int] = {}
+    trained: dict[str, int] = {}
     seen: set[nn.Parameter] = set()
     for name, param in model.named_parameters():
-        if param in seen or param.numel() < config.param_persistence_threshold or (trained and not param.requires_grad):
+        if param in seen or param.numel() < config.param_persistence_threshold:
             continue
         seen.add(param)
         owner = partition.innermost_prefix(name.rpartition(".")[0], units)
         sizes[owner] = sizes.get(owner, 0) + param.numel()
-    return max(sizes.values(), default=0)
+        trained[owner] = trained.get(owner, 0) + (param.numel() if param.requires_grad else 0)
+    return max(sizes.values(), default=0), max(trained.values(), default=0)
 
 
 def measure_activations(model: nn.Module | int, sample_batch: Any, precision: str = "32-true") -> int:
