@@ -314,8 +314,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     def _cast_module(self) -> None:
         if self._cast_pending and self._module is not None:
-            mastered = {piece.param for optimizer in self._optimizers for piece in optimizer.param_pieces()}
-            warn_frozen_rounding(self._module, self.config.stage, self._zero_precision(), mastered)
+            warn_frozen_rounding(self._module, self.config.stage, self._zero_precision(), self._optimizers)
             self._zero_precision().cast_module(self._module)
             self._cast_pending = False
 

@@ -20,7 +20,7 @@ asks the ZeRO optimizer for the true global norm instead and logs it as ``grad_n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -215,10 +215,11 @@ class FrozenRoundingWarning(UserWarning):
     :func:`warn_frozen_rounding`)."""
 
 
-def warn_frozen_rounding(module: Module | None, stage: int, precision: Any, mastered: Collection[Tensor]) -> None:
-    """Stages 1/2 give fp32 masters (``mastered``) to the parameters the optimizers train only;
-    under a -mixed precision any other parameter (frozen, or left out of every optimizer) is held
-    in the compute dtype alone, so its fp32 value rounds for good: the module is handed back, and
+def warn_frozen_rounding(module: Module | None, stage: int, precision: Any,
+                         optimizers: Sequence[ShardedOptimizer]) -> None:
+    """Stages 1/2 give fp32 masters to the parameters the ``optimizers`` train only; under a
+    -mixed precision any other parameter (frozen, or left out of every optimizer) is held in the
+    compute dtype alone, so its fp32 value rounds for good: the module is handed back, and
     checkpoints are written, with the rounded value. Said once, before the cast, naming them (a
     weight already in that dtype loses nothing)."""
     if stage == 3 or module is None or not isinstance(precision, ZeroPrecision) or not precision.mixed:
@@ -226,6 +227,7 @@ def warn_frozen_rounding(module: Module | None, stage: int, precision: Any, mast
     dtype = precision.param_dtype
     if dtype is None:
         return
+    mastered = {piece.param for optimizer in optimizers for piece in optimizer.param_pieces()}
     rounded = [
         name for name, param in module.named_parameters()
         if param not in mastered and param.dtype == torch.float32 and not param.is_meta

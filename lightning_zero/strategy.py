@@ -432,8 +432,7 @@ class ZeroStrategy(ParallelStrategy):
         precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING or self.config.stage == 3 or not (
                 isinstance(precision, ZeroPrecision) and precision.mixed):
-            mastered = {piece.param for optimizer in self.zero_optimizers for piece in optimizer.param_pieces()}
-            warn_frozen_rounding(self.lightning_module, self.config.stage, precision, mastered)
+            warn_frozen_rounding(self.lightning_module, self.config.stage, precision, self.zero_optimizers)
             self.model = precision.convert_module(self.model)
         # else: stages 1/2 keep fp32 masters only for what an optimizer trains, and validate, test
         # and predict set none up: cast, the user's weights would round for good. Left in fp32,
