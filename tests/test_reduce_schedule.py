@@ -1352,3 +1352,96 @@ def test_a_parameter_frozen_by_reset_parameters_on_the_meta_device_is_frozen() -
         optimizer.zero_grad()
     with engine.gathered():
         assert torch.equal(model[0].weight, torch.sin(torch.arange(128.0).view(16, 8)))
+
+
+def test_a_parameter_frozen_by_reset_parameters_and_trainable_again_for_the_optimizer_trains() -> None:
+    """Frozen by reset_parameters() as the meta model was materialized (no gradient hook then),
+    made trainable again in configure_optimizers: it was laid out as trained, so it gets its hook
+    when the optimizer is set up and trains as torch trains it (before, it silently stayed put)."""
+    from lightning_zero.strategy import _reset_parameters
+    from lightning_zero.zero.engine import make_engine
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(FrozenTable(), nn.Linear(8, 8))
+    torch.manual_seed(0)
+    reference = nn.Sequential(FrozenTable(), nn.Linear(8, 8))
+    config = ZeroConfig(stage=3, param_persistence_threshold=0, prefetch_units=0)
+    engine = make_engine(model, FakeCollectives(world_size=1), config, None, CPU,  # type: ignore[arg-type]
+                         init=_reset_parameters)
+    reference[0].reset_parameters()
+    with engine.gathered():
+        reference[1].load_state_dict(model[1].state_dict())
+    model[0].weight.requires_grad_(True)  # configure_optimizers unfreezes it
+    reference[0].weight.requires_grad_(True)
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    index = torch.tensor([1, 5, 7])
+    for _ in range(2):
+        model(index).pow(2).sum().backward()
+        engine.end_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference(index).pow(2).sum().backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+    with engine.gathered():
+        assert not torch.equal(model[0].weight, torch.sin(torch.arange(128.0).view(16, 8)))
+        for (name, param), twin in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(param, twin, atol=1e-6), name
+
+
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Adversarial(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.critic = Critic()
+
+    def loss(self, real: Tensor, noise: Tensor) -> Tensor:
+        """The critic's two calls disagree on requires_grad and share one backward."""
+        on_real = self.critic(real)
+        self.critic.requires_grad_(False)
+        on_fake = self.critic(self.generator(noise))
+        self.critic.requires_grad_(True)
+        return (on_real - 1).pow(2).mean() + (on_fake - 1).pow(2).mean()
+
+
+def test_one_backward_over_calls_of_a_unit_that_froze_it_in_between_matches_torch() -> None:
+    """[Note: gradients a backward brings]: the critic runs trainable on real data, then frozen on
+    the generator's sample, and is unfrozen before the joint backward. The unit waits for the
+    gradients of its trainable call (before, the frozen call's count of none released it on the
+    first gradient while the rest of its backward still read the weights: a storage error)."""
+    torch.manual_seed(0)
+    model = Adversarial()
+    reference = copy.deepcopy(model)
+    config = ZeroConfig(stage=3, unit_modules=("Critic", "Sequential"), param_persistence_threshold=0,
+                        prefetch_units=0)
+    engine = Zero3Engine(model, FakeCollectives(world_size=1), config, param_dtype=torch.float32,
+                         device=CPU)  # type: ignore[arg-type]
+    engine.shard()
+    engine.install_hooks()
+    optimizer = Zero3Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), engine, config)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        real, noise = torch.randn(5, 8, generator=generator), torch.randn(5, 4, generator=generator)
+        model.loss(real, noise).backward()
+        engine.end_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.loss(real, noise).backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+    with engine.gathered():
+        for (name, param), twin in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(param, twin, atol=1e-6), name

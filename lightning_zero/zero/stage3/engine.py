@@ -73,6 +73,7 @@ class Zero3Engine(Zero3Hooks):
         self.step = StepState()
         self._grad_listeners: list[Callable[[ShardedParam], None]] = []
         self._hook_handles: list[Any] = []
+        self._grad_hooked: set[ShardedParam] = set()
         self._root_held = False
         # Parameters outside every other unit (one unit per dtype, see [Note: one unit per dtype]).
         self.root_units = [u for u in self.units if u.module is module]

@@ -74,6 +74,9 @@ class StepState:
     call_stack: list[int] = field(default_factory=list)
     backward_held: set[ShardedUnit] = field(default_factory=set)  # units held until their backward ends
     backward_visited: set[ShardedUnit] = field(default_factory=set)  # units whose backward began
+    # Per unit, its parameters that required a gradient in any of this backward's forwards (see
+    # [Note: gradients a backward brings]).
+    expecting: dict[ShardedUnit, set[ShardedParam]] = field(default_factory=dict)
 
 
 # [Note: compiled units]
@@ -109,6 +112,7 @@ class Zero3Hooks:
     order: GatherOrder
     step: StepState
     _hook_handles: list[Any]
+    _grad_hooked: set[ShardedParam]
     _grad_listeners: list[Callable[[ShardedParam], None]]
     _root_held: bool
 
@@ -163,11 +167,18 @@ class Zero3Hooks:
         # On the CPU the units' local gradients reuse their buffers (see [Note: reused gradient
         # buffers] in reduce.py).
         self.schedule.reuse_buffers()
+        self.hook_trainable_params()
+
+    def hook_trainable_params(self) -> None:
+        """Registers the gradient hook of every parameter laid out as trained (see [Note: trained
+        pieces first] in unit.py) that requires a gradient now and has no hook yet. torch takes no
+        hook on a tensor that requires none, so a parameter that a reset_parameters() froze as the
+        model was materialized gets none when the hooks are installed; if configure_optimizers
+        makes it trainable again, it gets its hook when the optimizer is set up (which calls this
+        again), rather than training silently on a gradient nobody reduces."""
         for sp in self.sharded_params.values():
-            # Laid out as trained (see [Note: trained pieces first] in unit.py) and still trainable:
-            # a reset_parameters() that froze it as the model was materialized leaves it frozen
-            # after the layout was made, as if frozen later (no gradient, the optimizer skips it).
-            if sp.trained and sp.param.requires_grad:
+            if sp.trained and sp.param.requires_grad and sp not in self._grad_hooked:
+                self._grad_hooked.add(sp)
                 self._hook_handles.append(sp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _enclosing_units(self, prefix: str) -> list[ShardedUnit]:
@@ -180,6 +191,7 @@ class Zero3Hooks:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        self._grad_hooked.clear()
 
     # ------------------------------------------------------------------ forward
     def _make_pre_forward(self, units: Sequence[ShardedUnit], prefetch: bool = True) -> Callable[..., None]:
@@ -226,7 +238,7 @@ class Zero3Hooks:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, lambda grads, unit=unit: self._pre_backward(unit), mode="any"
                     )
-                    if unit.expect_current_grads() < len(unit.params):
+                    if self._expect_current_grads(unit) < len(unit.params):
                         self._release_after_input_grads(unit, args)
             return output
 
@@ -248,7 +260,7 @@ class Zero3Hooks:
             if in_backward():
                 return output
             self._enter("post-forward hook")
-            root.expect_current_grads()
+            self._expect_current_grads(root)
             self.release(root)
             if root.refcount == 0 and torch.is_grad_enabled():
                 # Nobody holds it for a backward of this forward: gather it again when one comes.
@@ -262,6 +274,26 @@ class Zero3Hooks:
         return _eager(post_forward)
 
     # ------------------------------------------------------------------ backward
+    # [Note: gradients a backward brings]
+    # A unit is released in backward, and its reduction launched, once every gradient it waits for
+    # has arrived. A parameter frozen after the engine was built (in configure_optimizers, by a
+    # callback) brings none, so the count is taken from requires_grad as each forward of the unit
+    # ends; but one backward can span several forwards that disagree (a GAN's discriminator run on
+    # real data trainable, then frozen for the generator's sample, unfrozen before the joint
+    # backward). The count is therefore the union over this backward's forwards: counting a call
+    # that was frozen would release the unit on the first call's gradients while the rest of its
+    # backward still reads the weights. Waiting for a gradient that never comes only delays the
+    # release to the end of backward.
+    def _expect_current_grads(self, unit: ShardedUnit) -> int:
+        """Adds the unit's trained parameters that require a gradient now to those this backward
+        waits for (see [Note: gradients a backward brings]); returns how many of them require one
+        in this forward alone."""
+        now = [sp for sp in unit.params if sp.trained and sp.param.requires_grad]
+        expected = self.step.expecting.setdefault(unit, set())
+        expected.update(now)
+        unit.reduction.expected_grads = len(expected)
+        return len(now)
+
     def _release_after_input_grads(self, unit: ShardedUnit, args: Any) -> None:
         """A frozen parameter gets no gradient to say its backward is over, yet backward may still
         need it for the gradient of the unit's input (a frozen layer before the trainable ones); the

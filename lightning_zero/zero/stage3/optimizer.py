@@ -68,6 +68,7 @@ class Zero3Layout:
                 " fabric.setup): set requires_grad before then, e.g. in __init__, setup or configure_model, not in"
                 " configure_optimizers or a module's reset_parameters()."
             )
+        engine.hook_trainable_params()  # trained at the layout, frozen at install_hooks, trainable now
         # This optimizer's parameters of each unit, in order (the step publishes them unit by unit).
         self.members: dict[ShardedUnit, list[ShardedParam]] = {}
         for sp in self.params:

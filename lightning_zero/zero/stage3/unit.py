@@ -374,14 +374,6 @@ class ShardedUnit:
         """Parameters of the unit laid out as trained (see [Note: trained pieces first])."""
         return self._trained_count
 
-    def expect_current_grads(self) -> int:
-        """Sets how many gradients a backward of this unit brings: its trained parameters that
-        still require one (a parameter frozen after the engine was built, in configure_optimizers or
-        by a callback, brings none, and the unit must not wait for it to be released); returns it."""
-        count = sum(1 for sp in self.params if sp.trained and sp.param.requires_grad)
-        self.reduction.expected_grads = count
-        return count
-
     @property
     def grad_data(self) -> Tensor | None:
         return self.reduction.grad
