@@ -47,7 +47,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded,
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
-from torch.nn import Module
+from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -179,6 +179,10 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._in_no_sync = False
         self._in_loop_collective = False  # inside one of the loop's collectives: its nested ones agree no more
         self._cast_pending = False
+        # Stages 1/2: the fp32 values the cast replaced, of parameters no optimizer set up so far
+        # trains, kept until the first forward (see [Note: optimizers set up one by one]).
+        self._fp32_kept: dict[Parameter, Tensor] = {}
+        self._rounded_for_good = False  # a forward ran after the cast: the kept values are gone
         self._forward_handle: Any = None
         self._unsync_generation: Callable[[], None] = _do_nothing  # not a lambda: spawn pickles the strategy
 
@@ -300,23 +304,56 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         engine = self._require_engine("setup_optimizer")
         precision = self._zero_precision()
-        if precision.param_dtype is not None and not self._cast_pending:
+        if precision.param_dtype is not None and self._rounded_for_good:
             raise RuntimeError(
                 "ZeroFabricStrategy.setup_optimizer: the model already ran in the precision's dtype, so this"
                 " optimizer's fp32 master weights would come from rounded values. Set up every optimizer before"
                 " the first forward, best together with the model: `model, optimizer = fabric.setup(model, optimizer)`."
             )
         _check_params_in_one_optimizer([*(o.optimizer for o in self._optimizers), optimizer], self._module)
+        self._restore_kept(optimizer)
         zero_optimizer = engine.wrap_optimizer(optimizer, precision.loss_scaler)
         self._optimizers.append(zero_optimizer)
         self._cast_module()
         return zero_optimizer
 
+    # [Note: optimizers set up one by one]
+    # Stages 1/2 take an optimizer's fp32 masters from its parameters when it is set up, and the
+    # module is cast to the precision's dtype right after (its first forward may come through a
+    # submodule no hook sees). Fabric sets several optimizers up one at a time (fabric.setup(model,
+    # opt_g, opt_d), setup_optimizers(opt_g, opt_d)): so that the second one's masters are not
+    # taken from values the first one's cast rounded, the cast keeps the fp32 values it replaced of
+    # the parameters no optimizer trains yet, and a later optimizer's parameters take theirs back
+    # before it is wrapped. The first forward drops what is left (it would round for good:
+    # FrozenRoundingWarning names it) and from then on an optimizer set up is refused. Stage 3
+    # keeps an fp32 master of every parameter in its units: nothing to keep.
     def _cast_module(self) -> None:
         if self._cast_pending and self._module is not None:
-            warn_frozen_rounding(self._module, self.config.stage, self._zero_precision(), self._optimizers)
+            if self.config.stage != 3:
+                mastered = {piece.param for optimizer in self._optimizers for piece in optimizer.param_pieces()}
+                self._fp32_kept.update({param: param.data for param in self._module.parameters()
+                                        if param not in mastered and param.dtype == torch.float32})
             self._zero_precision().cast_module(self._module)
             self._cast_pending = False
+
+    def _restore_kept(self, optimizer: Optimizer) -> None:
+        """The parameters of ``optimizer`` that an earlier cast rounded take back their fp32
+        values (see [Note: optimizers set up one by one]); the module is cast again after."""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                value = self._fp32_kept.pop(param, None)
+                if value is not None:
+                    param.data = value
+                    self._cast_pending = True
+
+    def _drop_kept(self) -> None:
+        """The first forward after the cast: what no optimizer trains keeps its rounded value."""
+        if self._cast_pending or self._rounded_for_good:
+            return
+        warn_frozen_rounding(self._module, self.config.stage, self._zero_precision(), self._optimizers,
+                             held=self._fp32_kept)
+        self._fp32_kept = {}
+        self._rounded_for_good = True
 
     def _before_forward(self, module: Module, args: Any) -> None:
         """The pending cast of a model set up without optimizers; at stage 3, a forward that
@@ -327,6 +364,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         # DDP, until an optimizer is set up.
         if self.config.stage == 3 or self._optimizers or not self._zero_precision().mixed:
             self._cast_module()
+            self._drop_kept()
         if torch.is_grad_enabled() and self._engine is not None and self._engine.stage_shards_params:
             self._engine.hold_for_step()
 
@@ -563,6 +601,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         if self._engine is not None:
             self._engine.remove_hooks()
             self._engine = None
+        self._fp32_kept = {}
         GLOO_HELD.settle()  # see [Note: tensors outlive the gloo worker]
         super().teardown()
 

@@ -20,7 +20,7 @@ asks the ZeRO optimizer for the true global norm instead and logs it as ``grad_n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -216,22 +216,24 @@ class FrozenRoundingWarning(UserWarning):
 
 
 def warn_frozen_rounding(module: Module | None, stage: int, precision: Any,
-                         optimizers: Sequence[ShardedOptimizer]) -> None:
+                         optimizers: Sequence[ShardedOptimizer], held: Mapping[Tensor, Tensor] | None = None) -> None:
     """Stages 1/2 give fp32 masters to the parameters the ``optimizers`` train only; under a
     -mixed precision any other parameter (frozen, or left out of every optimizer) is held in the
     compute dtype alone, so its fp32 value rounds for good: the module is handed back, and
     checkpoints are written, with the rounded value. Said once, before the cast, naming them (a
-    weight already in that dtype loses nothing)."""
+    weight already in that dtype loses nothing); after it, from the fp32 values the cast replaced
+    (``held``, by parameter)."""
     if stage == 3 or module is None or not isinstance(precision, ZeroPrecision) or not precision.mixed:
         return
     dtype = precision.param_dtype
     if dtype is None:
         return
     mastered = {piece.param for optimizer in optimizers for piece in optimizer.param_pieces()}
+    values = {param: held.get(param, param) if held is not None else param for param in module.parameters()}
     rounded = [
         name for name, param in module.named_parameters()
-        if param not in mastered and param.dtype == torch.float32 and not param.is_meta
-        and not torch.equal(param.detach(), param.detach().to(dtype).to(torch.float32))
+        if param not in mastered and (value := values[param].detach()).dtype == torch.float32 and not value.is_meta
+        and not torch.equal(value, value.to(dtype).to(torch.float32))
     ]
     if rounded:
         held = str(dtype).replace("torch.", "")

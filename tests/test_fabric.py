@@ -84,7 +84,7 @@ def _cases(tmp: str) -> dict[str, Any]:
 
     from lightning_zero import ZeroStrategy, consolidate
     from lightning_zero.zero.consistency import RanksDisagreeError
-    from models import TinyGPT, fit, loader
+    from models import TinyGPT, fit, loader, token_data
 
     out: dict[str, Any] = {}
     for name in ("ddp", "zero1", "zero2", "zero3", "zero3_offload"):
@@ -281,6 +281,47 @@ def _cases(tmp: str) -> dict[str, Any]:
         out["extra backward then all_reduce"] = None
     except RanksDisagreeError as error:
         out["extra backward then all_reduce"] = str(error)
+    # bf16-mixed with two optimizers set up one by one, together (fabric.setup(model, opt1, opt2))
+    # or apart (setup_module, then setup_optimizers(opt1, opt2)): both train as one optimizer with
+    # the same two param groups (see [Note: optimizers set up one by one])
+    import contextlib
+    import warnings
+
+    from lightning_zero import FrozenRoundingWarning
+
+    data = token_data(64)
+    for name in ("zero1", "zero2", "zero3"):
+        for how in ("one", "together", "apart", "left out"):
+            if how == "left out" and name != "zero2":
+                continue
+            fabric = _fabric(name, "bf16-mixed")
+            torch.manual_seed(0)
+            module = TinyGPT()
+            decay = [p for p in module.parameters() if p.dim() >= 2]
+            no_decay = [p for p in module.parameters() if p.dim() < 2]
+            if how == "left out":
+                decay = decay[1:]  # the embedding: random values, which bf16 rounds
+            with warnings.catch_warnings(record=True) as caught, contextlib.suppress(RuntimeError):
+                warnings.simplefilter("always")
+                out[f"{name} bf16 {how}"] = None  # until the steps ran: a setup that raised leaves None
+                if how == "one":
+                    model, only = fabric.setup(module, torch.optim.AdamW([{"params": decay}, {"params": no_decay}]))
+                    optimizers = [only]
+                elif how == "together":
+                    model, *optimizers = fabric.setup(module, torch.optim.AdamW(decay), torch.optim.AdamW(no_decay))
+                else:
+                    model = fabric.setup_module(module)
+                    optimizers = list(fabric.setup_optimizers(torch.optim.AdamW(decay), torch.optim.AdamW(no_decay)))
+                for step in range(3):
+                    index = step * WORLD + fabric.global_rank
+                    tokens, targets = data[index * 4:(index + 1) * 4]
+                    fabric.backward(nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()))
+                    for optimizer in optimizers:
+                        optimizer.step()
+                        optimizer.zero_grad()
+                out[f"{name} bf16 {how}"] = _whole(fabric, module)
+            out[f"{name} bf16 {how} warned"] = [str(w.message) for w in caught
+                                                 if issubclass(w.category, FrozenRoundingWarning)]
     # agreed collectives still compute what they did
     fabric = _fabric("zero2")
     module, model, optimizer, scheduler = _setup(fabric)
@@ -408,3 +449,18 @@ def test_a_step_thrown_away_with_zero_grad_on_fabrics_optimizer_trains_on_like_d
         for key, value in ddp["params"].items():
             assert torch.isfinite(zero["params"][key]).all(), key
             torch.testing.assert_close(zero["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+def test_fabric_bf16_optimizers_set_up_one_by_one_train_as_one(runs: list[dict[str, Any]], name: str) -> None:
+    """[Note: optimizers set up one by one]: the second optimizer's fp32 masters come from the
+    values before the first one's cast (it was refused before, as if a forward had rounded them)."""
+    for out in runs:
+        for how in ("together", "apart"):
+            assert out[f"{name} bf16 {how}"] is not None, f"{how}: the setup raised"
+            for key, value in out[f"{name} bf16 one"].items():
+                torch.testing.assert_close(out[f"{name} bf16 {how}"][key], value, rtol=0, atol=0, msg=f"{how} {key}")
+            assert out[f"{name} bf16 {how} warned"] == []  # every parameter has an optimizer
+    if name == "zero2":  # the one parameter no optimizer trains is named, and only it
+        (message,) = runs[0]["zero2 bf16 left out warned"]
+        assert "1 fp32 parameter(s) that no optimizer trains ('embed.weight')" in message
