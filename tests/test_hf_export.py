@@ -280,6 +280,16 @@ def test_peft_adapter_layers_are_refused_with_the_ways_to_export_them(tmp_path: 
     assert not (tmp_path / "out").exists()
 
 
+def test_a_module_of_ones_own_named_base_layer_exports(tmp_path: Path) -> None:
+    """``base_layer`` with no peft adapter beside it is the user's own name: exported as it is."""
+    weight = torch.randn(4, 4)
+    ckpt = _checkpoint(tmp_path / "own.ckpt", {"model.encoder.base_layer.weight": weight,
+                                               "model.head.weight": torch.randn(2, 4)}, {}, {})
+    exported = _exported_keys(consolidate_hf(ckpt, tmp_path / "out", strip_prefix="model.", progress=False))
+    assert set(exported) == {"encoder.base_layer.weight", "head.weight"}
+    assert torch.equal(exported["encoder.base_layer.weight"], weight)
+
+
 def test_a_tied_weight_is_written_once_unless_what_it_is_tied_to_is_left_out(tmp_path: Path) -> None:
     embed, norm = torch.randn(5, 4), torch.randn(4)
     ckpt = _checkpoint(tmp_path / "tied.ckpt", {"model.embed.weight": embed, "model.norm.weight": norm},

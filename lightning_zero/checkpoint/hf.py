@@ -257,11 +257,12 @@ def _refuse_adapter_layers(source: Path, keys: list[str]) -> None:
     """peft wraps each adapted layer, so its base weights are saved as ``...base_layer.weight``
     beside ``...lora_A.default.weight``: no Hugging Face base model has those names, and
     from_pretrained would load none of the adapted layers, initializing them at random with a log
-    line only. Such a checkpoint is refused with the ways to export it."""
+    line only. Such a checkpoint is refused with the ways to export it; a module of the user's own
+    named ``base_layer``, with no adapter beside it, is not peft's and exports as it is."""
     wrapped = [key for key in keys if ".base_layer." in f".{key}"]
-    if not wrapped:
-        return
     adapters = [key for key in keys if any(f".{name}" in f".{key}" for name in _ADAPTER_NAMES)]
+    if not wrapped or not adapters:
+        return
     raise CheckpointError(
         f"{source} holds peft adapter layers ({', '.join(repr(key) for key in (wrapped[:1] + adapters[:1]))}, ...):"
         " a Hugging Face model's from_pretrained knows none of these names and would initialize every adapted layer"
