@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import BaseFinetuning
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,7 +70,32 @@ def _profile(tmp: str) -> dict[str, Any]:
         )
         trainer.fit(module, train_dataloaders=loader())
     out["frozen"] = {"estimate": profiler.estimate, "state": state.by_step[1]}
+    # Frozen after the layout, by a callback's on_fit_start: the engine still holds master
+    # gradients and optimizer state for them.
+    for stage in (2, 3):
+        units = {"unit_modules": ("TransformerEncoderLayer",)} if stage == 3 else {}
+        profiler, state = ZeroMemoryProfiler(plots=False, log_metrics=False,
+                                             output_dir=os.path.join(tmp, f"frozen_later{stage}")), StateBytes()
+        with launched_environment():
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=dist.get_world_size(), max_steps=2, logger=False,
+                callbacks=[FreezeAtFitStart(), profiler, state], enable_checkpointing=False,
+                strategy=ZeroStrategy(config=ZeroConfig(stage=stage, **units)), enable_progress_bar=False,
+                enable_model_summary=False,
+            )
+            module = TinyGPT(width=64)
+            trainer.fit(module, train_dataloaders=loader())
+        backbone = sum(p.numel() for p in [*module.embed.parameters(), *module.block.parameters()])
+        out[f"frozen later {stage}"] = {"estimate": profiler.estimate, "state": state.by_step[1], "backbone": backbone}
     return out
+
+
+class FreezeAtFitStart(pl.Callback):
+    """Freezes the embedding and the block once the strategy has set the model up (BaseFinetuning
+    freezes in setup, before: the engine then lays them out as frozen)."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        BaseFinetuning.freeze([pl_module.embed, pl_module.block])
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +171,25 @@ def test_estimate_of_a_fine_tuning_with_frozen_parameters(profiled: list[dict[st
         for measured, want in zip(state, expected):
             assert measured == pytest.approx(want, rel=0.05)
         assert not any("unit size not known" in note for note in estimate.notes)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_estimate_of_parameters_frozen_after_the_layout_counts_what_the_engine_holds(
+        profiled: list[dict[str, Any]], stage: int) -> None:
+    """A backbone a callback froze in on_fit_start was frozen only after the strategy laid the
+    model out: the engine still holds its masters and master gradients, and the estimate counts
+    them (before, it read requires_grad and left them out). Its Adam moments are created once it
+    trains again (the estimate is the peak): the ranks hold those 2 x 4 bytes per element less,
+    together (which rank owns the frozen elements' chunks depends on the buckets)."""
+    moments = 0
+    for rank in profiled:
+        run = rank[f"frozen later {stage}"]
+        estimate, (params, grads, optimizer_states) = run["estimate"], run["state"]
+        assert estimate.frozen_params == 0
+        assert params == pytest.approx(estimate.device.params + estimate.host.params, rel=0.05)
+        assert grads == pytest.approx(estimate.device.grads + estimate.host.grads, rel=0.05)
+        moments += estimate.device.optimizer_states + estimate.host.optimizer_states - optimizer_states
+    assert moments == pytest.approx(8 * profiled[0][f"frozen later {stage}"]["backbone"], rel=0.05)
 
 
 def test_cuda_snapshot_without_cuda_warns(tmp_path: Any) -> None:

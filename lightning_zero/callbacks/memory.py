@@ -3,15 +3,18 @@ logged, tabled beside the estimate, written as CSV and PNG plots."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch import nn
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from rich.console import Console
@@ -231,8 +234,10 @@ class ZeroMemoryProfiler(Callback):
             return None
         precision = str(trainer.precision)
         try:
-            # The module as the user built it: frozen parameters told apart, stage-3 units chosen as the engine did.
-            with engine.true_shapes():
+            # The module as the user built it: stage-3 units chosen as the engine did, and as frozen
+            # what the engine holds no gradient for (not what requires_grad says now: a callback
+            # such as BackboneFinetuning freezes a backbone after the layout, which still holds it).
+            with engine.true_shapes(), _requiring_grad(trainer.lightning_module, engine.trained_params()):
                 return estimate_memory(trainer.lightning_module, trainer.world_size, config, precision,
                                        device_type="cuda" if strategy.root_device.type == "cuda" else "cpu")
         except ValueError as error:
@@ -275,4 +280,18 @@ class ZeroMemoryProfiler(Callback):
         print(f"rank {trainer.global_rank}: CUDA memory snapshot written to {path} (open it at https://pytorch.org/memory_viz)")
 
 
+@contextlib.contextmanager
+def _requiring_grad(module: nn.Module, trained: set[nn.Parameter]) -> Iterator[None]:
+    """Within it, exactly the ``trained`` parameters of ``module`` require a gradient."""
+    before = {param: param.requires_grad for param in module.parameters()}
+    try:
+        for param in before:
+            param.requires_grad_(param in trained)
+        yield
+    finally:
+        for param, requires_grad in before.items():
+            param.requires_grad_(requires_grad)
+
+
 __all__ = ["ZeroMemoryProfiler"]
+

@@ -104,6 +104,12 @@ class ZeroEngine(Protocol):
         ...
 
     # ---- masters and checkpoints
+    def trained_params(self) -> set[nn.Parameter]:
+        """The parameters laid out as trained (with master gradients), whatever their requires_grad
+        says now: those the optimizers took at stages 1/2, those requiring a gradient when the
+        model was sharded at stage 3."""
+        ...
+
     def param_pieces(self) -> list[ParamPiece]:
         """Every parameter's master piece on this rank, as checkpoints save them."""
         ...

@@ -668,6 +668,9 @@ class FlatEngine:
         """Parameters always show their true shapes at stages 1/2."""
         yield
 
+    def trained_params(self) -> set[nn.Parameter]:
+        return {param for layout in self.layouts for param in layout.slot_of}
+
     def param_pieces(self) -> list[ParamPiece]:
         return [piece for layout in self.layouts for piece in layout.param_pieces()]
 

@@ -289,6 +289,9 @@ class Zero3Engine(Zero3Hooks):
         for unit in self.units:
             unit.absorb_data_writes() if through_data else unit.absorb_writes()
 
+    def trained_params(self) -> set[nn.Parameter]:
+        return {sp.param for sp in self.sharded_params.values() if sp.trained}
+
     def param_pieces(self) -> list[ParamPiece]:
         """Every parameter's fp32 master piece on this rank (frozen ones included)."""
         self.absorb_writes(through_data=True)  # a checkpoint reads the masters
