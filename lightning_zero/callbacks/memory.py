@@ -14,10 +14,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch import nn
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from rich.console import Console
+from torch import nn
 from typing_extensions import override
 
 from lightning_zero._messages import unwritable_directory
@@ -235,8 +235,8 @@ class ZeroMemoryProfiler(Callback):
         precision = str(trainer.precision)
         try:
             # The module as the user built it: stage-3 units chosen as the engine did, and as frozen
-            # what the engine holds no gradient for (not what requires_grad says now: a callback
-            # such as BackboneFinetuning freezes a backbone after the layout, which still holds it).
+            # what the engine holds no gradient for (not what requires_grad says now: a backbone a
+            # callback froze in on_fit_start, after the layout, still has its masters and gradients).
             with engine.true_shapes(), _requiring_grad(trainer.lightning_module, engine.trained_params()):
                 return estimate_memory(trainer.lightning_module, trainer.world_size, config, precision,
                                        device_type="cuda" if strategy.root_device.type == "cuda" else "cpu")
@@ -294,4 +294,3 @@ def _requiring_grad(module: nn.Module, trained: set[nn.Parameter]) -> Iterator[N
 
 
 __all__ = ["ZeroMemoryProfiler"]
-
