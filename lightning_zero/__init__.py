@@ -22,6 +22,7 @@ from lightning_zero.profiling import MemoryBreakdown, MemoryEstimate, estimate_m
 from lightning_zero.fabric import ZeroFabricPrecision, ZeroFabricStrategy
 from lightning_zero.strategy import ZeroStrategy, gather_after_error, grad_norm
 from lightning_zero.zero.consistency import RanksDisagreeError
+from lightning_zero.zero.layout import DataWriteWarning
 from lightning_zero.zero import (
     Collectives,
     CountingCollectives,
@@ -47,6 +48,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "Collectives",
     "CountingCollectives",
+    "DataWriteWarning",
     "DeepSpeedConfigWarning",
     "FrozenRoundingWarning",
     "SmallUnitsWarning",

@@ -70,7 +70,12 @@ from lightning_zero.strategy import (
     _warn_if_loss_scale_left_out,
 )
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
-from lightning_zero.zero.consistency import agree_before_collective, agree_before_step, check_same_model
+from lightning_zero.zero.consistency import (
+    agree_before_collective,
+    agree_before_step,
+    check_same_model,
+    optimizer_number,
+)
 from lightning_zero.zero.engine import ZeroEngine, make_engine
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.stage3.generation import sync_generation
@@ -411,7 +416,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         zero_optimizer = _as_sharded(optimizer, "optimizer.step()")
         engine = self._require_engine("optimizer_step")
         backwards, self._synced_backwards = self._synced_backwards, 0
-        agree_before_step(self.collectives, engine, backwards, zero_optimizer)
+        agree_before_step(self.collectives, engine, backwards, zero_optimizer,
+                          number=optimizer_number(zero_optimizer, self._optimizers))
         try:
             return self.precision.optimizer_step(zero_optimizer, **kwargs)
         finally:

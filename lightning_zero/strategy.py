@@ -104,7 +104,13 @@ from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics, warn_frozen_rounding
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
-from lightning_zero.zero.consistency import agree_after_batch, agree_before_step, agree_on_batches, check_same_model
+from lightning_zero.zero.consistency import (
+    agree_after_batch,
+    agree_before_step,
+    agree_on_batches,
+    check_same_model,
+    optimizer_number,
+)
 from lightning_zero.zero.engine import ZeroEngine, make_engine
 from lightning_zero.zero.layout import ParamPiece
 from lightning_zero.zero.optimizer import ShardedOptimizer
@@ -682,7 +688,8 @@ class ZeroStrategy(ParallelStrategy):
             # their gathers, and every rank raises (see [Note: ranks that disagree]).
             backwards, self._synced_backwards = self._synced_backwards, 0
             self._steps_this_batch += 1
-            agree_before_step(self.collectives, self._require_engine(), backwards, zero_optimizer)
+            agree_before_step(self.collectives, self._require_engine(), backwards, zero_optimizer,
+                              number=optimizer_number(zero_optimizer, self.zero_optimizers))
             if self._gradients_read_before_step(zero_optimizer):
                 zero_optimizer.finish_grad_sync()
             # else the step lands the reductions itself, bucket by bucket ([Note: overlapped step]).

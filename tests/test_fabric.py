@@ -241,9 +241,9 @@ def _cases(tmp: str) -> dict[str, Any]:
     fabric = _fabric("zero2")
     module, model, optimizer, scheduler = _setup(fabric)
     tokens = torch.zeros(2, 8, dtype=torch.long)
-    for _ in range(1 + fabric.global_rank):
-        fabric.backward(model(tokens).sum())
     try:
+        for _ in range(1 + fabric.global_rank):
+            fabric.backward(model(tokens).sum())
         optimizer.step()
         out["disagree"] = None
     except RanksDisagreeError as error:
@@ -281,6 +281,18 @@ def _cases(tmp: str) -> dict[str, Any]:
         out["extra backward then all_reduce"] = None
     except RanksDisagreeError as error:
         out["extra backward then all_reduce"] = str(error)
+    # two optimizers of the same size, each rank steps the other one: without the optimizer in the
+    # step's agreement, each rank lands the other's reductions and both end with the same wrong weights
+    fabric = _fabric("zero2")
+    torch.manual_seed(0)
+    pair = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    pair, *optimizers = fabric.setup(pair, *(torch.optim.SGD(part.parameters(), lr=0.1) for part in pair))
+    try:
+        fabric.backward(pair(torch.ones(2, 8)).sum())
+        optimizers[fabric.global_rank].step()
+        out["steps another optimizer"] = None
+    except RanksDisagreeError as error:
+        out["steps another optimizer"] = str(error)
     # bf16-mixed with two optimizers set up one by one, together (fabric.setup(model, opt1, opt2))
     # or apart (setup_module, then setup_optimizers(opt1, opt2)): both train as one optimizer with
     # the same two param groups (see [Note: optimizers set up one by one])
@@ -428,6 +440,10 @@ def test_fabric_rank_that_skips_a_step_raises_at_the_next_collective(runs: list[
         assert message is not None and "not stepped yet (by rank: [0, 1])" in message
         assert "reduce_boolean_decision" in message
         assert out["agreed all_reduce"] == 1.0 and out["agreed broadcast"] == 5
+        assert out["steps another optimizer"] is not None
+        assert out["steps another optimizer"].startswith(
+            "The ranks are about to step different optimizers (rank 0 optimizer #1 after 1 backward(s), rank 1"
+            " optimizer #2 after 1 backward(s);")
 
 
 def test_a_fabric_checkpoint_resumes_a_trainer_fit(runs: list[dict[str, Any]]) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from harness import launched_environment, run_on_ranks
-from lightning_zero import ParallelConfig, ZeroConfig, ZeroStrategy, consolidate
+from lightning_zero import DataWriteWarning, ParallelConfig, ZeroConfig, ZeroStrategy, consolidate
 from lightning_zero.offload import CPUOffloadPolicy
 from models import VOCAB, TiedGPT, TinyGPT, fit, loader, max_abs_diff, params_of, token_data
 
@@ -394,6 +396,107 @@ class RankDependentBranch(TiedGPT):
         return self.head(self.norm(hidden))
 
 
+class TwoOptimizerGAN(pl.LightningModule):
+    """A generator and a critic, each with its own optimizer (manual optimization). On batch 1 the
+    ranks step different optimizers: rank 0 only the generator, rank 1 only the critic, each after
+    one backward, with (``toggle``, Lightning's docs pattern) or without toggle_optimizer."""
+
+    def __init__(self, toggle: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.toggle = toggle
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.critic = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        opt_g, opt_c = self.optimizers()
+        real = batch[0][:, :8].float()
+        noise = torch.randn(real.shape[0], 4, generator=torch.Generator().manual_seed(batch_idx))
+        step_c, step_g = (self.global_rank == 1, self.global_rank == 0) if batch_idx == 1 else (True, True)
+        if step_c:
+            self._step(opt_c, lambda: self.critic(self.generator(noise).detach()).mean() - self.critic(real).mean())
+        if step_g:
+            self._step(opt_g, lambda: -self.critic(self.generator(noise)).mean())
+
+    def _step(self, optimizer: Any, loss: Callable[[], Tensor]) -> None:
+        if self.toggle:
+            self.toggle_optimizer(optimizer)
+        self.manual_backward(loss())
+        optimizer.step()
+        optimizer.zero_grad()
+        if self.toggle:
+            self.untoggle_optimizer(optimizer)
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.SGD(self.generator.parameters(), lr=0.1),
+                torch.optim.SGD(self.critic.parameters(), lr=0.1))
+
+
+class BackwardThroughAStaleGraph(TwoOptimizerGAN):
+    """The classic GAN mistake: the critic steps, then the generator's loss backpropagates through the
+    critic's graph from before that step (retain_graph=True), which saved the critic's old weights."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        opt_g, opt_c = self.optimizers()
+        noise = torch.randn(batch[0].shape[0], 4, generator=torch.Generator().manual_seed(batch_idx))
+        judged = self.critic(self.generator(noise))
+        self.manual_backward(judged.mean(), retain_graph=True)
+        opt_c.step()
+        opt_c.zero_grad()
+        self.manual_backward(-judged.mean())
+        opt_g.step()
+        opt_g.zero_grad()
+
+
+class ClippedCritic(TwoOptimizerGAN):
+    """WGAN: both step every batch, then the critic's weights are clipped in place, through ``.data``
+    as the WGAN paper's code does (no version counter sees it), or under no_grad."""
+
+    def __init__(self, through_data: bool) -> None:
+        super().__init__(toggle=False)
+        self.through_data = through_data
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        opt_g, opt_c = self.optimizers()
+        real = batch[0][:, :8].float()
+        noise = torch.randn(real.shape[0], 4, generator=torch.Generator().manual_seed(batch_idx))
+        self._step(opt_c, lambda: self.critic(self.generator(noise).detach()).mean() - self.critic(real).mean())
+        for param in self.critic.parameters():
+            if self.through_data:
+                param.data.clamp_(-0.05, 0.05)
+            else:
+                with torch.no_grad():
+                    param.clamp_(-0.05, 0.05)
+        self._step(opt_g, lambda: -self.critic(self.generator(noise)).mean())
+
+
+def _clipped(strategy: Any, through_data: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = ClippedCritic(through_data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(module, strategy, WORLD, steps=6)
+    return {"params": params_of(module), "warned": sum(issubclass(w.category, DataWriteWarning) for w in caught)}
+
+
+def _clipping() -> dict[str, Any]:
+    return {f"{name}_{through_data}": _clipped(strategy(), through_data) for through_data in (True, False)
+            for name, strategy in (("ddp", lambda: "ddp_find_unused_parameters_true"),
+                                   ("zero1", lambda: ZeroStrategy(stage=1)), ("zero2", lambda: ZeroStrategy(stage=2)),
+                                   ("zero2_offload", lambda: "zero2_offload"), ("zero3", zero3), ("zero3_units", lambda: ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=100))),
+                                   ("zero3_offload", zero3_offload))}
+
+
+def _stale_graphs() -> dict[str, str]:
+    out = {}
+    for name, strategy in (("ddp", lambda: "ddp"), ("zero1", lambda: ZeroStrategy(stage=1)),
+                           ("zero2", lambda: ZeroStrategy(stage=2)), ("zero2_offload", lambda: "zero2_offload"),
+                           ("zero3", zero3), ("zero3_offload", zero3_offload)):
+        made = strategy()
+        out[name] = _error_of(lambda made=made: fit(BackwardThroughAStaleGraph(False), made, WORLD, steps=2))["message"]
+    return out
+
+
 def _disagreeing_ranks() -> dict[str, Any]:
     out = {}
     for name, strategy in (("zero2", lambda: ZeroStrategy(stage=2)), ("zero3", zero3)):
@@ -407,6 +510,11 @@ def _disagreeing_ranks() -> dict[str, Any]:
         for backward in (False, True):
             out[f"skip_{name}_{backward}"] = _error_of(
                 lambda: fit(SkipsABatchOnOneRank(backward), strategy(), WORLD, steps=4))
+    for name, strategy in (("zero1", lambda: ZeroStrategy(stage=1)), ("zero2", lambda: ZeroStrategy(stage=2)),
+                           ("zero2_offload", lambda: "zero2_offload"), ("zero3", zero3)):
+        for toggle in (False, True):
+            gan, made = TwoOptimizerGAN(toggle), strategy()
+            out[f"gan_{name}_{toggle}"] = _error_of(lambda gan=gan, made=made: fit(gan, made, WORLD, steps=3))
     # The same uneven data trains when the run takes only batches every rank has, as with DDP.
     out["uneven_but_limited"] = _uneven_data(zero3(), limit_train_batches=3)
     return out
@@ -510,6 +618,8 @@ def _all(directory: str) -> dict[str, Any]:
             stage=3, unit_modules=("GPT2Block",))), uneven=True)},
         "compiled_unit": {name: _compiled_unit(strategy()) for name, strategy in (("ddp", lambda: "ddp"), ("zero3", zero3))},
         "disagree": _disagreeing_ranks(),
+        "stale_graph": _stale_graphs(),
+        "clipping": _clipping(),
         "mixed_dtypes": _mixed_dtypes(),
     }
 
@@ -693,6 +803,52 @@ def test_a_rank_that_skips_a_step_is_an_error_on_every_rank(stage: str, backward
         assert run["seconds"] < 60
 
 
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero2_offload", "zero3"])
+@pytest.mark.parametrize("toggle", [False, True])
+def test_ranks_that_step_different_optimizers_get_an_error_on_every_rank(stage: str, toggle: bool) -> None:
+    # Critic and generator of different sizes: stages 1/2 reduce the buckets of the optimizer each rank
+    # toggled during backward, before the step's agreement, and gloo aborted on the size mismatch; of
+    # the same size (the Fabric case in test_fabric.py), the ranks landed each other's reductions.
+    for per_rank in outcome():
+        run = per_rank["disagree"][f"gan_{stage}_{toggle}"]
+        if toggle and stage != "zero3":
+            assert run["message"].startswith(
+                "RanksDisagreeError: The ranks start a backward that reduces the gradients of different optimizers"
+                " (rank 0 optimizer(s) #1, rank 1 optimizer(s) #2)"), run["message"]
+        else:
+            assert run["message"].startswith(
+                "RanksDisagreeError: The ranks are about to step different optimizers (rank 0 optimizer #1 after 1"
+                " backward(s), rank 1 optimizer #2 after 1 backward(s);"), run["message"]
+        assert run["seconds"] < 60
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
+def test_a_backward_through_a_graph_from_before_the_step_fails_as_under_ddp(stage: str) -> None:
+    # The step publishes the parameters by means autograd does not see: the stale graph used to be
+    # accepted, and the generator's gradients computed with the critic's new weights.
+    for per_rank in outcome():
+        messages = per_rank["stale_graph"]
+        expected = "modified by an inplace operation"
+        assert expected in messages["ddp"]
+        assert messages[stage].startswith("RuntimeError: one of the variables needed for gradient computation has"
+                                          " been modified by an inplace operation"), messages[stage]
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_units", "zero3_offload"])
+@pytest.mark.parametrize("through_data", [True, False])
+def test_weight_clipping_between_steps_matches_ddp(stage: str, through_data: bool) -> None:
+    # Through .data no version counter sees the write: the next step published the masters over it
+    # (stages 1/2), or the root unit's buffer was freed with it (stage 3). Now the first two steps
+    # compare, find it, warn once, and every later step compares.
+    for per_rank in outcome():
+        ddp = per_rank["clipping"][f"ddp_{through_data}"]
+        ours = per_rank["clipping"][f"{stage}_{through_data}"]
+        assert max_abs_diff(ours["params"], ddp["params"]) < 1e-6
+        critic = [value for name, value in ours["params"].items() if name.startswith("critic.")]
+        assert max(value.abs().max().item() for value in critic) > 0.04  # the clipping bound was reached
+        assert ours["warned"] == (1 if through_data else 0)
+
+
 @pytest.mark.parametrize("kind", ["swa", "ema"])
 def test_validating_from_a_weight_averaged_checkpoint_matches_ddp_at_stage_3(kind: str) -> None:
     # SWA's copy outside fit is the whole module, which its state in pieces did not fit (a crash).
@@ -793,7 +949,7 @@ def test_a_rank_dependent_number_of_backward_calls_is_an_error_on_every_rank() -
         # at stage 3, rank 1's second forward gathers while rank 0 is at its step: they meet there
         stage3 = per_rank["disagree"]["backwards_zero3"]
         assert stage3["message"].startswith("RanksDisagreeError: The ranks are at different points of the run: rank 0"
-                                            " reduces the gradients of 1 backward(s) for an optimizer step, rank 1"
+                                            " reduces the gradients of 1 backward(s) for optimizer #1's step, rank 1"
                                             " gathers ZeRO-3 unit #")
         assert stage2["seconds"] < 60 and stage3["seconds"] < 60
 

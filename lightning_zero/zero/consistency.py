@@ -11,7 +11,14 @@ same clear error on every rank when those differ:
 
 - at setup, every parameter's name, shape and dtype (``check_same_model``), as DDP does;
 - at stage 3, before each all-gather, which unit it is for (``ZeroConfig.check_gather_order``);
-- before the gradients are reduced for a step, how many synchronized backwards they hold;
+- at stages 1/2 with several optimizers, before each synchronized backward, which optimizers'
+  gradients it reduces (``agree_on_backward``): its reductions launch during backward, before any
+  other agreement, and a backward that reduces another optimizer's buckets on some rank
+  (``toggle_optimizer`` of a different optimizer per rank) pairs buckets of different sizes, which
+  gloo aborts on;
+- before the gradients are reduced for a step, which optimizer steps and how many synchronized
+  backwards its gradients hold: ranks that step different optimizers would otherwise each land
+  the other's reductions, silently, when the two are the same size;
 - for each dataloader, its number of batches; where that is unknown (an IterableDataset),
   before each batch whether this rank has one (``AgreedBatches``);
 - under manual optimization, after each training_step, how many optimizer steps it took
@@ -53,16 +60,18 @@ class Point(enum.IntEnum):
     LENGTH = 1  # values: the dataloader's number of batches (-1: unknown)
     BATCH = 2  # values: 1 if this rank has a next batch
     GATHER = 3  # values: the unit's number, why it is gathered
-    SYNC = 4  # values: synchronized backwards since the last optimizer step, leftover gradients, got every gradient
+    SYNC = 4  # values: synchronized backwards since the last optimizer step, leftover gradients, got every gradient,
+    #           which optimizer steps (its number in set-up order, from 1)
     BATCH_END = 5  # values: optimizer steps this training_step took, synchronized backwards not stepped yet
     COLLECTIVE = 6  # values: which of LOOP_COLLECTIVES the loop calls, synchronized backwards not stepped yet
+    BACKWARD = 7  # values: how many optimizers' gradients a synchronized backward reduces, which ones (bits)
 
 
 # The collectives a Fabric loop calls itself, numbered for Point.COLLECTIVE by their place here.
 LOOP_COLLECTIVES = ("barrier", "all_reduce", "all_gather", "broadcast", "save", "load")
 
 
-_POINT_WIDTH = 4  # the point and three values
+_POINT_WIDTH = 5  # the point and four values
 
 
 def agree_at(collectives: AnyCollectives, point: Point, values: Sequence[int] = ()) -> list[list[int]]:
@@ -75,7 +84,9 @@ def agree_at(collectives: AnyCollectives, point: Point, values: Sequence[int] = 
         raise RanksDisagreeError(
             f"The ranks are at different points of the run: {described}. Each of these is a collective every rank"
             " must join in the same order: the ranks ran different code (a rank-dependent number of backward calls"
-            " or optimizer steps, a forward on some ranks only, a different number of batches)."
+            " or optimizer steps, a forward on some ranks only, a different number of batches). Decide a skip"
+            " together (e.g. with strategy.reduce_boolean_decision), or backward and step a zero loss"
+            " ((0 * loss).sum()) on the rank that would skip."
         )
     return [row[1 : 1 + len(values)] for row in rows]  # the values each rank gave, without the padding
 
@@ -89,27 +100,74 @@ def _describe(row: Sequence[int]) -> str:
     if point is Point.GATHER:
         return f"gathers ZeRO-3 unit #{row[1]}"
     if point is Point.SYNC:
-        return f"reduces the gradients of {row[1]} backward(s) for an optimizer step"
+        return f"reduces the gradients of {row[1]} backward(s) for {_optimizer(row[4])}'s step"
     if point is Point.BATCH_END:
         return f"ended its training_step after {row[1]} optimizer step(s)"
     if point is Point.COLLECTIVE:
         return f"calls {_loop_collective(row[1])} with {row[2]} backward(s) not stepped"
+    if point is Point.BACKWARD:
+        return f"starts a backward that reduces the gradients of {_optimizers(row[2])}"
     return f"is at an unknown point {row[0]}"
 
 
-def agree_before_step(collectives: AnyCollectives, engine: Any, backwards: int, optimizer: Any = None) -> None:
+def _optimizer(number: int) -> str:
+    return f"optimizer #{number}" if number else "an optimizer"
+
+
+def _optimizers(bits: int) -> str:
+    numbers = [str(index + 1) for index in range(_OPTIMIZER_BITS) if bits >> index & 1]
+    return f"optimizer(s) #{', #'.join(numbers)}" if numbers else "no optimizer"
+
+
+# Optimizers named in a backward's agreement, as bits of one int64 (numbers past it share bits).
+_OPTIMIZER_BITS = 62
+
+
+def agree_on_backward(collectives: AnyCollectives, reducing: Sequence[int]) -> None:
+    """Before a synchronized backward at stages 1/2 launches its reductions: every rank reduces the
+    gradients of the same optimizers (``reducing``: their indices in set-up order, from 0), or every
+    rank raises (see [Note: ranks that disagree]). A rank at another point (a step, the end of its
+    training_step) meets this one and both raise, before any reduction pairs with the wrong one."""
+    bits = sum(1 << (index % _OPTIMIZER_BITS) for index in set(reducing))
+    rows = agree_at(collectives, Point.BACKWARD, [len(set(reducing)), bits])
+    if len({tuple(row) for row in rows}) == 1:
+        return
+    by_rank = ", ".join(f"rank {rank} {_optimizers(row[1])}" for rank, row in enumerate(rows))
+    raise RanksDisagreeError(
+        f"The ranks start a backward that reduces the gradients of different optimizers ({by_rank}): an optimizer"
+        " counts when any of its parameters requires a gradient, so on some rank every parameter of one is frozen"
+        " (toggle_optimizer of a different optimizer on each rank, requires_grad set per rank). Each optimizer's"
+        " gradient reductions are collectives every rank must join: toggle and freeze the same optimizers on every"
+        " rank, and step the same ones."
+    )
+
+
+def agree_before_step(
+    collectives: AnyCollectives, engine: Any, backwards: int, optimizer: Any = None, number: int = 0
+) -> None:
     """Before an optimizer step waits for reductions other ranks might not have launched: a rank
-    that ran another number of synchronized backwards (manual optimization, a Fabric loop) meets
+    that ran another number of synchronized backwards (manual optimization, a Fabric loop), or
+    steps another optimizer (``number``, its place in set-up order from 1; 0 when unknown), meets
     the others here or at one of their gathers, and every rank raises. A rank whose gradients
     arrived after their backward's reduction went out makes every rank send the extra round.
     When every parameter of ``optimizer`` (the ShardedOptimizer about to step) got a gradient on
     every rank, it learns so here, and its step exchanges no per-parameter flags (see
     [Note: parameters without a gradient] in optimizer.py)."""
     every_grad = optimizer is not None and optimizer.got_every_grad()
-    rows = agree_at(collectives, Point.SYNC, [backwards, int(engine.has_leftover_grads()), int(every_grad)])
+    rows = agree_at(collectives, Point.SYNC, [backwards, int(engine.has_leftover_grads()), int(every_grad), number])
+    counts = [row[0] for row in rows]
+    numbers = [row[3] for row in rows]
+    if len(set(numbers)) > 1:
+        stepping = ", ".join(f"rank {rank} {_optimizer(n)} after {count} backward(s)"
+                             for rank, (n, count) in enumerate(zip(numbers, counts)))
+        raise RanksDisagreeError(
+            f"The ranks are about to step different optimizers ({stepping}; optimizers are numbered in the order"
+            " they were set up). Each step lands gradient reductions every rank joined, so every rank must step the"
+            " same optimizers in the same order: decide a skip together (e.g. with"
+            " strategy.reduce_boolean_decision), or step a zero loss ((0 * loss).sum()) on the rank that would skip."
+        )
     if any(row[1] for row in rows):
         engine.expect_leftover_grads()
-    counts = [row[0] for row in rows]
     if len(set(counts)) > 1:
         raise RanksDisagreeError(
             f"The ranks ran different numbers of backward calls before this optimizer step (by rank: {counts});"
@@ -119,6 +177,11 @@ def agree_before_step(collectives: AnyCollectives, engine: Any, backwards: int, 
         )
     if optimizer is not None and all(row[2] for row in rows):
         optimizer.note_every_grad_everywhere()
+
+
+def optimizer_number(optimizer: Any, optimizers: Sequence[Any]) -> int:
+    """``optimizer``'s place among ``optimizers`` in set-up order, from 1 (0: not among them)."""
+    return next((index + 1 for index, candidate in enumerate(optimizers) if candidate is optimizer), 0)
 
 
 def agree_after_batch(collectives: AnyCollectives, steps: int, pending_backwards: int) -> None:

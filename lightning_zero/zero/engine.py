@@ -114,8 +114,9 @@ class ZeroEngine(Protocol):
         """Every parameter's master piece on this rank, as checkpoints save them."""
         ...
 
-    def absorb_writes(self, through_data: bool = False) -> None:
-        """Takes values user code wrote into the parameters into the masters."""
+    def absorb_writes(self, through_data: bool = False) -> bool:
+        """Takes values user code wrote into the parameters into the masters; with
+        ``through_data``, compares them all, and returns whether a write through ``.data`` was found."""
         ...
 
     def publish_masters(self) -> None:

@@ -44,14 +44,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPU, CPUOffloadPolicy, MasterPlacement
 from lightning_zero.offload.step import StagingBuffers
 from lightning_zero.zero.comm import Collectives, CountingCollectives, Handle
+from lightning_zero.zero.consistency import agree_on_backward
 from lightning_zero.zero.device_step import adam_group_is_fusable, check_device_backend, device_adam_backend
 from lightning_zero.zero.layout import (
+    DataWriteCheck,
     ParamPiece,
     ParamSlot,
     Range,
@@ -326,6 +329,8 @@ class FlatLayout:
         self.comm_device = next(iter(self.slot_of), torch.zeros(0)).device
         self._seen_versions: dict[nn.Parameter, int] = {}
         self.forget_writes()
+        self.data_writes = DataWriteCheck()  # the engine's, shared by its layouts, once it adds this one
+        self._steps = 0  # steps taken, for data_writes
 
     def _init_buffers(self, optimizer: Optimizer, names: dict[nn.Parameter, str], param_dtype: torch.dtype | None) -> None:
         device = next(iter(names), torch.zeros(0)).device
@@ -486,7 +491,7 @@ class FlatLayout:
 
     def launch_reductions(self) -> bool:
         """Launches every reduction still owed (a collective); returns whether any is to land."""
-        self.absorb_writes()
+        self.absorb_before_step()
         return self.schedule.launch_for_finish()
 
     @torch.no_grad()
@@ -523,17 +528,39 @@ class FlatLayout:
     def forget_writes(self) -> None:
         self._seen_versions = {param: param._version for param in self.slot_of}
 
+    def absorb_before_step(self) -> None:
+        """Before a step reads the masters: writes through the parameters, and at the steps
+        [Note: writes through .data] in layout.py says, writes through ``.data``."""
+        if self.data_writes.due(self._steps):
+            self.data_writes.report(self.absorb_writes(through_data=True))
+        else:
+            self.absorb_writes()
+
+    def note_stepped(self, had_grad: Tensor) -> None:
+        """See [Note: a step is an in-place write] in optimizer.py."""
+        self._steps += 1
+        flags = had_grad.tolist()  # one read, not one per parameter
+        for param, (_, slot) in self.slot_of.items():
+            if flags[slot.index]:
+                increment_version(param)
+                self._seen_versions[param] = param._version  # the step's write, not the user's
+
     @torch.no_grad()
-    def absorb_writes(self, through_data: bool = False) -> None:
+    def absorb_writes(self, through_data: bool = False) -> bool:
         """Takes values user code wrote into the parameters into this rank's master chunks (see
-        [Note: writes to parameters at stages 1/2])."""
+        [Note: writes to parameters at stages 1/2]); with ``through_data``, compares every bucket.
+        Returns whether a bucket no version counter marked was written (through ``.data``)."""
         # The flat parameter buffer holds what was written, so one comparison per bucket covers
         # every written parameter of it.
-        written = {bucket for param, (bucket, _) in self.slot_of.items()
-                   if through_data or param._version != self._seen_versions.get(param, param._version)}
-        for bucket in written:
-            take_written(bucket.master, bucket.owned_chunk(bucket.param_data))
+        versioned = {bucket for param, (bucket, _) in self.slot_of.items()
+                     if param._version != self._seen_versions.get(param, param._version)}
+        through = False
+        for bucket in self.buckets:
+            if bucket in versioned or through_data:
+                taken = take_written(bucket.master, bucket.owned_chunk(bucket.param_data))
+                through = through or taken and bucket not in versioned
         self.forget_writes()
+        return through
 
     @torch.no_grad()
     def gather_master_values(self, keep: bool = True) -> dict[nn.Parameter, Tensor]:
@@ -584,12 +611,14 @@ class FlatEngine:
         self.param_dtype = param_dtype
         self.layouts: list[FlatLayout] = []
         self._hook_handles: list[Any] = []
+        self.data_writes = DataWriteCheck()  # see [Note: writes through .data] in layout.py
 
     # ------------------------------------------------------------------ optimizers
     def add_optimizer(self, optimizer: Optimizer) -> FlatLayout:
         """Packs ``optimizer``'s parameters into flat buffers and hooks their gradients."""
         names = {param: name for name, param in self.module.named_parameters(remove_duplicate=True)}
         layout = FlatLayout(optimizer, names, self.collectives, self.config, self.param_dtype)
+        layout.data_writes = self.data_writes
         for param in layout.slot_of:
             self._hook_handles.append(param.register_post_accumulate_grad_hook(layout.on_grad_ready))
         self.layouts.append(layout)
@@ -611,10 +640,18 @@ class FlatEngine:
     def begin_backward(self) -> None:
         """A backward starts: one round of reductions for the buckets of every optimizer with a
         parameter that requires a gradient now (see [Note: what one backward is] in reduce.py);
-        those of an optimizer Lightning toggled off (GANs) cannot get one, so they send nothing."""
-        for layout in self.layouts:
-            if any(param.requires_grad for param in layout.slot_of):
-                layout.schedule.begin_backward()
+        those of an optimizer Lightning toggled off (GANs) cannot get one, so they send nothing.
+        A synchronized backward's reductions launch as its gradients arrive, before any other
+        agreement, so with several optimizers the ranks first agree which ones' buckets it reduces
+        (see [Note: ranks that disagree] in consistency.py). With one, buckets of the same sizes
+        pair up whatever the ranks ran, and the step's agreement sees the difference first."""
+        reducing = [index for index, layout in enumerate(self.layouts)
+                    if any(param.requires_grad for param in layout.slot_of)]
+        if (self.collectives.world_size > 1 and len(self.layouts) > 1
+                and any(layout.schedule.sync_enabled for layout in self.layouts)):
+            agree_on_backward(self.collectives, reducing)
+        for index in reducing:
+            self.layouts[index].schedule.begin_backward()
 
     def close_backward(self) -> None:
         for layout in self.layouts:
@@ -674,9 +711,11 @@ class FlatEngine:
     def param_pieces(self) -> list[ParamPiece]:
         return [piece for layout in self.layouts for piece in layout.param_pieces()]
 
-    def absorb_writes(self, through_data: bool = False) -> None:
+    def absorb_writes(self, through_data: bool = False) -> bool:
+        found = False
         for layout in self.layouts:
-            layout.absorb_writes(through_data)
+            found = layout.absorb_writes(through_data) or found
+        return found
 
     def publish_masters(self) -> None:
         for layout in self.layouts:

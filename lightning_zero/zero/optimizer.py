@@ -214,9 +214,13 @@ class ShardLayout(Protocol):
 
     def publish(self) -> None: ...
 
+    def note_stepped(self, had_grad: Tensor) -> None: ...
+
+    def absorb_before_step(self) -> None: ...
+
     def publish_masters(self) -> None: ...
 
-    def absorb_writes(self, through_data: bool = False) -> None: ...
+    def absorb_writes(self, through_data: bool = False) -> bool: ...
 
 
 class ShardedOptimizer(Optimizer):
@@ -334,7 +338,7 @@ class ShardedOptimizer(Optimizer):
         """
         # Called before every step (and clipping): values user code wrote into parameters reach
         # the masters before the optimizer reads them.
-        self.layout.absorb_writes()
+        self.layout.absorb_before_step()
         if not self.layout.sync_pending:
             return
         self.layout.finish_grad_sync()
@@ -435,9 +439,21 @@ class ShardedOptimizer(Optimizer):
             self._run_optimizer(trained)
             self._grad_coefficient = None
             self.layout.publish()  # before the post hooks (see [Note: the user's step hooks])
+            self.layout.note_stepped(had_grad)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         return loss
+
+    # [Note: a step is an in-place write]
+    # torch.optim updates each parameter that has a gradient in place, which bumps its version
+    # counter: a graph that saved the parameter before the step then fails in backward ("modified
+    # by an inplace operation"), under DDP too. That is the classic GAN mistake of stepping the
+    # critic, then backpropagating the generator's loss through the critic's old graph. Here the
+    # step writes the masters and publishes them into the parameters by means autograd does not
+    # see (a gather into the flat buffer, a copy into the shard), so after publishing, the layout
+    # bumps the version of every parameter the step updated (``note_stepped``), and marks the bump
+    # as seen, so that ``absorb_writes`` does not take it for a user's write and copy the rounded
+    # parameter back over its master.
 
     # [Note: overlapped step]
     # When the step needs no decision over the whole gradient first (no loss scaler whose overflow
@@ -575,6 +591,7 @@ class ShardedOptimizer(Optimizer):
                     cpu_adam_steps(self.optimizer, cpu, 1.0, layout.staging)
 
         layout.land_step_publish(step_bucket)  # type: ignore[attr-defined]
+        layout.note_stepped(had_grad)
         self._grad_coefficient = None
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as in _run_optimizer
 

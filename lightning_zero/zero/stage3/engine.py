@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.zero.comm import Collectives, CountingCollectives
-from lightning_zero.zero.layout import ParamPiece
+from lightning_zero.zero.layout import DataWriteCheck, ParamPiece
 from lightning_zero.zero.reduce import ReduceSchedule
 from lightning_zero.zero.stage3.hooks import GatherOrder, Phase, StepState, Zero3Hooks, _GatherFor
 from lightning_zero.zero.stage3.partition import (
@@ -75,6 +75,7 @@ class Zero3Engine(Zero3Hooks):
         self._hook_handles: list[Any] = []
         self._grad_hooked: set[ShardedParam] = set()
         self._root_held = False
+        self.data_writes = DataWriteCheck()  # see [Note: writes through .data] in layout.py
         # Parameters outside every other unit (one unit per dtype, see [Note: one unit per dtype]).
         self.root_units = [u for u in self.units if u.module is module]
         self._registrations: list[tuple[str, nn.Module, str, nn.Parameter]] = []
@@ -280,14 +281,20 @@ class Zero3Engine(Zero3Hooks):
             for unit in sharded:
                 unit._point_params_at_shard()
 
-    def absorb_writes(self, through_data: bool = False) -> None:
+    def absorb_writes(self, through_data: bool = False) -> bool:
         """Takes in-place writes to parameters into the shards and masters, in every unit (see
         [Note: a stage-3 parameter outside its gather]); cheap when nothing was written. With
-        ``through_data``, also writes through ``.data`` (a comparison of every shard)."""
+        ``through_data``, also writes through ``.data`` (a comparison of every shard); returns
+        whether it found one."""
         if self.phase is Phase.HANDED_BACK:
-            return  # the parameters are the module's own tensors now; the masters keep the trained values
+            return False  # the parameters are the module's own tensors now; the masters keep the trained values
+        found = False
         for unit in self.units:
-            unit.absorb_data_writes() if through_data else unit.absorb_writes()
+            if through_data:
+                found = unit.absorb_data_writes() or found
+            else:
+                unit.absorb_writes()
+        return found
 
     def trained_params(self) -> set[nn.Parameter]:
         return {sp.param for sp in self.sharded_params.values() if sp.trained}

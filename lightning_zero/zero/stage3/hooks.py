@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.consistency import Point, RanksDisagreeError, agree_at
+from lightning_zero.zero.layout import DataWriteCheck
 from lightning_zero.zero.reduce import ReduceSchedule
 from lightning_zero.zero.stage3.partition import innermost_prefix
 from lightning_zero.zero.stage3.unit import ShardedParam, ShardedUnit, UnitState
@@ -115,6 +116,7 @@ class Zero3Hooks:
     _grad_hooked: set[ShardedParam]
     _grad_listeners: list[Callable[[ShardedParam], None]]
     _root_held: bool
+    data_writes: DataWriteCheck
 
     def _track_memory(self) -> None:
         raise NotImplementedError
@@ -388,6 +390,9 @@ class Zero3Hooks:
         if self._root_held:
             self._root_held = False
             for root in self.root_units:
+                if self.data_writes.checking and root.refcount == 1 and root.state is UnitState.GATHERED:
+                    # freeing drops the whole buffer, and a write through .data in it with it
+                    self.data_writes.report(root.absorb_data_writes())
                 self.release(root)
 
     def check_parameters_unchanged(self) -> None:

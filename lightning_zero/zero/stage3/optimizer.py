@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
 
 from lightning_zero._messages import some_of
@@ -40,6 +41,7 @@ class Zero3Layout:
         # The optimizer's parameters left out because they were frozen (see [Note: the trainable set]).
         self.frozen_at_setup: dict[nn.Parameter, str] = {}
         self._local_index: dict[ShardedParam, int] = {}
+        self._steps = 0  # steps taken, for the engine's data_writes
         unfrozen: list[str] = []  # frozen when the engine was built, trainable now
         for number, group in enumerate(optimizer.param_groups):
             members = []
@@ -192,13 +194,31 @@ class Zero3Layout:
             unit.publish_master(members, staged=staged)
         self.engine.refresh_gathered()
 
+    def absorb_before_step(self) -> None:
+        """Before a step reads the masters: writes through the parameters, and at the steps
+        [Note: writes through .data] in zero/layout.py says, writes through ``.data`` (every unit's)."""
+        check = self.engine.data_writes
+        if check.due(self._steps):
+            check.report(self.engine.absorb_writes(through_data=True))
+        else:
+            self.engine.absorb_writes()
+
+    def note_stepped(self, had_grad: Tensor) -> None:
+        """See [Note: a step is an in-place write] in zero/optimizer.py."""
+        self._steps += 1
+        flags = had_grad.tolist()  # one read, not one per parameter
+        for sp in self.params:
+            if flags[self._local_index[sp]]:
+                increment_version(sp.param)
+                sp.seen_version = sp.param._version  # the step's write, not the user's
+
     def publish_masters(self) -> None:
         if self.staging is not None:
             self.staging.forget()
         self.engine.publish_masters()
 
-    def absorb_writes(self, through_data: bool = False) -> None:
-        self.engine.absorb_writes(through_data)
+    def absorb_writes(self, through_data: bool = False) -> bool:
+        return self.engine.absorb_writes(through_data)
 
 
 class Zero3Optimizer(ShardedOptimizer):

@@ -261,15 +261,19 @@ class ShardedUnit:
         }
 
     @torch.no_grad()
-    def write_back_changed(self) -> None:
+    def write_back_changed(self) -> bool:
         """After the full parameters were open for writing: pieces whose values differ from the
-        shard become the new shard and master; unchanged pieces keep their fp32 master exactly."""
+        shard become the new shard and master; unchanged pieces keep their fp32 master exactly.
+        Returns whether any differed."""
         by_param = [(sp, sp.full_range.slice(self.full).view(self.world_size, sp.shard_numel)[self.rank]) for sp in self.params]
+        changed = False
         for sp, piece in by_param:
             if not torch.equal(piece, sp.shard.to(piece.device)):
+                changed = True
                 sp.shard.copy_(piece)
                 if self.master is not self.shard:
                     sp.master.copy_(piece)
+        return changed
 
     def allocate(self) -> None:
         """Gives the full buffer its storage (contents undefined): for initializing in place."""
@@ -309,17 +313,18 @@ class ShardedUnit:
             sp.seen_version = sp.param._version
 
     @torch.no_grad()
-    def absorb_data_writes(self) -> None:
+    def absorb_data_writes(self) -> bool:
         """``absorb_writes`` for writes through ``.data`` too, which no version counter sees
-        (EMAWeightAveraging swaps weights that way): where the shard differs from the rounded
-        master, the shard was written and wins. A pass over the shard: for saves and teardown."""
+        (EMAWeightAveraging swaps weights that way): where the gathered piece differs from the
+        shard, or the shard from the rounded master, it was written and wins. A pass over the
+        shard: for saves, teardown and the steps of [Note: writes through .data] in layout.py.
+        Returns whether it found such a write."""
         self.absorb_writes()
-        if self.master is self.shard:
-            return  # the shard is the master: nothing to keep in step
         if self.state is UnitState.GATHERED:
-            self.write_back_changed()
-            return
-        take_written(self.master, self.shard)
+            return self.write_back_changed()  # the whole buffer is what forward and user code see
+        if self.master is self.shard:
+            return False  # the shard is the master: nothing to keep in step
+        return take_written(self.master, self.shard)
 
     # ------------------------------------------------------------------ gather / free
     def start_gather(self, collectives: Collectives | CountingCollectives) -> None:
