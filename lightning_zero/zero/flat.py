@@ -531,10 +531,7 @@ class FlatLayout:
     def absorb_before_step(self) -> None:
         """Before a step reads the masters: writes through the parameters, and at the steps
         [Note: writes through .data] in layout.py says, writes through ``.data``."""
-        if self.data_writes.due(self._steps):
-            self.data_writes.report(self.absorb_writes(through_data=True))
-        else:
-            self.absorb_writes()
+        self.data_writes.absorb(self._steps, self.absorb_writes)
 
     def note_stepped(self, had_grad: Tensor) -> None:
         """See [Note: a step is an in-place write] in optimizer.py."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +173,15 @@ class DataWriteCheck:
         step = steps_done + 1
         self.checking = self.found or step <= 2 or step % self.EVERY == 0
         return self.checking
+
+    def absorb(self, steps_done: int, absorb_writes: Callable[[bool], bool]) -> None:
+        """Before the step after ``steps_done`` steps of one optimizer: ``absorb_writes(through_data)``
+        (a layout's or engine's, returning whether a write through ``.data`` was found), comparing
+        when the step is due."""
+        if self.due(steps_done):
+            self.report(absorb_writes(True))
+        else:
+            absorb_writes(False)
 
     def report(self, found: bool) -> None:
         if found and not self.found:

@@ -197,11 +197,7 @@ class Zero3Layout:
     def absorb_before_step(self) -> None:
         """Before a step reads the masters: writes through the parameters, and at the steps
         [Note: writes through .data] in zero/layout.py says, writes through ``.data`` (every unit's)."""
-        check = self.engine.data_writes
-        if check.due(self._steps):
-            check.report(self.engine.absorb_writes(through_data=True))
-        else:
-            self.engine.absorb_writes()
+        self.engine.data_writes.absorb(self._steps, self.engine.absorb_writes)
 
     def note_stepped(self, had_grad: Tensor) -> None:
         """See [Note: a step is an in-place write] in zero/optimizer.py."""
