@@ -1445,3 +1445,67 @@ def test_one_backward_over_calls_of_a_unit_that_froze_it_in_between_matches_torc
     with engine.gathered():
         for (name, param), twin in zip(model.named_parameters(), reference.parameters()):
             assert torch.allclose(param, twin, atol=1e-6), name
+
+
+class TwoOptimizerNet(nn.Module):
+    """``first`` and ``second`` belong to two optimizers; a rank with ``use_second = False`` never
+    reaches ``second`` (a rank-dependent graph, as with find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 4)
+        self.second = nn.Linear(4, 5)
+        self.use_second = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.first(x))
+        return self.second(x) if self.use_second else x
+
+
+@pytest.mark.parametrize("checked", [0, 1])
+def test_several_optimizers_launch_in_one_order_whatever_completes_first_on_each_rank(checked: int) -> None:
+    """[Note: one launch order] across a FlatEngine's layouts: rank 0's backward completes the
+    second optimizer's bucket first, rank 1 (which never reaches ``second``) completes the first
+    optimizer's and sends the second's as zeros at finish. Before, each layout launched in its own
+    order, so rank 0 sent [second, first] and rank 1 [first, second]: a reduce-scatter of 25
+    elements met one of 16 (a gloo abort; with equal sizes, silently mixed gradients)."""
+    from lightning_zero.zero.flat import FlatEngine
+
+    def make(rank: int, peer: Peer | None = None) -> tuple[TwoOptimizerNet, FlatEngine, FakeCollectives]:
+        torch.manual_seed(0)
+        model = TwoOptimizerNet()
+        model.use_second = rank == 0
+        fake = FakeCollectives(world_size=2, rank=rank, peer=peer)
+        engine = FlatEngine(model, fake, ZeroConfig(stage=2, reduce_bucket_size=64))  # type: ignore[arg-type]
+        engine.wrap_optimizer(torch.optim.AdamW(model.first.parameters()))
+        engine.wrap_optimizer(torch.optim.AdamW(model.second.parameters()))
+        return model, engine, fake
+
+    other = 1 - checked
+    first_model, first_engine, first_fake = make(other)
+    # The k-th reduce-scatter of the checked rank pairs with the other rank's k-th.
+    model, engine, fake = make(checked, peer=lambda number, sent: first_fake.of(RS)[number].sent)
+    for rank, (net, eng) in ((other, (first_model, first_engine)), (checked, (model, engine))):
+        eng.begin_backward()
+        _loss(net, rank).backward()
+        eng.close_backward()
+        eng.finish_grad_sync()
+    sequences = [[c.numel for c in f.of(RS)] for f in (first_fake, fake)]
+    second_bucket, first_bucket = next(engine.layouts[1].buckets), next(engine.layouts[0].buckets)
+    # Backward order: second's bucket, then first's, on both ranks.
+    assert sequences[0] == sequences[1] == [second_bucket.padded_numel, first_bucket.padded_numel]
+    expected = {}
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        reference = TwoOptimizerNet()
+        reference.use_second = rank == 0
+        _loss(reference, rank).backward()
+        for name, param in reference.named_parameters():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            expected[name] = expected.get(name, 0) + grad / 2
+    for layout in engine.layouts:
+        for piece in layout.param_pieces():
+            assert piece.holder.grad is not None
+            mine = piece.in_holder.slice(piece.holder.grad)
+            want = piece.ranges[checked].slice(expected[piece.name].reshape(-1))
+            torch.testing.assert_close(mine, want, msg=lambda m, name=piece.name: f"{name}: {m}")

@@ -66,7 +66,7 @@ from lightning_zero.zero.layout import (
     round_up,
     take_written,
 )
-from lightning_zero.zero.reduce import GradState, ReduceSchedule, Reduction
+from lightning_zero.zero.reduce import GradState, LaunchQueue, ReduceSchedule, Reduction
 
 
 class Bucket:
@@ -296,7 +296,8 @@ class FlatLayout:
     buckets, the reduce schedule over them, and the staging buffers of the CPU step.
 
     It is what :class:`~lightning_zero.zero.optimizer.ShardedOptimizer` steps over (the
-    ``ShardLayout`` of optimizer.py): each optimizer's buckets keep a launch order of their own.
+    ``ShardLayout`` of optimizer.py). Its schedule launches in the order of the engine's
+    :class:`LaunchQueue`, shared with the layouts of the engine's other optimizers.
     """
 
     def __init__(
@@ -607,6 +608,8 @@ class FlatEngine:
         self.config = config
         self.param_dtype = param_dtype
         self.layouts: list[FlatLayout] = []
+        # Every layout's reductions go out in one order (see [Note: one launch order] in reduce.py).
+        self.launches = LaunchQueue(position={})
         self._hook_handles: list[Any] = []
         self.data_writes = DataWriteCheck()  # see [Note: writes through .data] in layout.py
 
@@ -619,7 +622,28 @@ class FlatEngine:
         for param in layout.slot_of:
             self._hook_handles.append(param.register_post_accumulate_grad_hook(layout.on_grad_ready))
         self.layouts.append(layout)
+        layout.schedule.launches = self.launches
+        self._order_launches()
         return layout
+
+    def _order_launches(self) -> None:
+        """Merges the layouts' launch orders into the engine's, by when backward completes each
+        bucket: a bucket is complete once its parameter that comes first in the module has its
+        gradient, backward reaching later modules first. Each layout keeps its own order (one
+        layout's is unchanged); ties go to the layout set up first."""
+        index_of = {param: index for index, param in enumerate(self.module.parameters())}
+
+        def completes_at(reduction: Reduction) -> int:
+            bucket = bucket_of[reduction]
+            return -min((index_of.get(slot.param, -1) for slot in bucket.slots), default=-1)
+
+        bucket_of = {bucket.reduction: bucket for layout in self.layouts for bucket in layout.buckets}
+        orders = [list(layout.schedule.order) for layout in self.layouts]
+        merged: list[Reduction] = []
+        while any(orders):
+            heads = [(completes_at(order[0]), number) for number, order in enumerate(orders) if order]
+            merged.append(orders[min(heads)[1]].pop(0))
+        self.launches.position = {reduction: place for place, reduction in enumerate(merged)}
 
     def wrap_optimizer(self, optimizer: Optimizer, loss_scaler: Any = None) -> Any:
         from lightning_zero.zero.optimizer import ZeroOptimizer
@@ -647,8 +671,9 @@ class FlatEngine:
         if (self.collectives.world_size > 1 and len(self.layouts) > 1
                 and any(layout.schedule.sync_enabled for layout in self.layouts)):
             agree_on_backward(self.collectives, reducing)
+        round_id = self.launches.new_round_id()  # one round for every layout's reductions
         for index in reducing:
-            self.layouts[index].schedule.begin_backward()
+            self.layouts[index].schedule.begin_backward(round_id)
 
     def close_backward(self) -> None:
         for layout in self.layouts:

@@ -14,6 +14,13 @@ the next backward starts or at ``finish``. So ranks whose graphs differ still is
 collectives in the same order, and a parameter used on some ranks only gets their gradients, as
 with DDP's find_unused_parameters.
 
+Several schedules that share one process group (stages 1/2 with several optimizers: a schedule
+per optimizer) share one :class:`LaunchQueue` too, so that their reductions also go out in one
+order across schedules: the engine-wide ``position`` of each (backward order over every layout's
+buckets). Otherwise each schedule launches as its own buckets complete, and a rank whose graph
+differs (a module it never reaches, which completes its bucket only at ``finish``) would pair one
+optimizer's bucket with another's on the wire.
+
 [Note: what one backward is]
 A round of reductions belongs to one backward. The strategy says when each backward starts
 (``begin_backward``, before ``loss.backward()``) and ends (``close_backward``), on every rank,
@@ -375,6 +382,61 @@ class Reduction:
         return f"Reduction({self.name!r}, {self.state.name}, arrived={self.arrived}/{self.expected_grads})"
 
 
+class LaunchQueue:
+    """The reductions a round owes, in launch order, for one schedule or several sharing a process
+    group (see [Note: one launch order]); the head launches once it is ready, the rest wait."""
+
+    def __init__(self, position: dict[Reduction, int] | None = None) -> None:
+        # Where each reduction goes in the order shared by several schedules; None for one schedule,
+        # whose round joins in the schedule's own order.
+        self.position = position
+        self.waiting: list[Reduction] = []  # joined a synchronized round, not launched yet
+        self.round: int | None = None  # the round (an autograd task, or a negative number) they joined
+        self._rounds = 0
+
+    def new_round_id(self) -> int:
+        """A round no autograd task can be mistaken for (task ids are never negative)."""
+        self._rounds += 1
+        return -1 - self._rounds
+
+    def open_round(self, round_id: int, collectives: Collectives | CountingCollectives) -> None:
+        """A schedule's round ``round_id`` starts: if it is new to the queue, what earlier rounds
+        left goes out first, so that no earlier reduction is sent after a later one. Schedules
+        entering a round the queue already opened launch nothing (their reductions join it)."""
+        if round_id != self.round:
+            self.launch_all(collectives)
+            self.round = round_id
+
+    def join(self, reductions: Sequence[Reduction]) -> None:
+        """A schedule's synchronized round starts: its reductions wait for their turn."""
+        if self.position is None:
+            self.waiting.extend(reductions)
+        else:
+            self.waiting = sorted([*self.waiting, *reductions], key=self.position.__getitem__)
+
+    def launch_ready(self, collectives: Collectives | CountingCollectives) -> None:
+        """Launches the ready reductions at the head of the order."""
+        launched = 0
+        for reduction in self.waiting:
+            if not reduction.ready:
+                break
+            reduction.start(collectives)
+            reduction.ready = False
+            launched += 1
+        del self.waiting[:launched]
+
+    def launch_all(self, collectives: Collectives | CountingCollectives) -> None:
+        """Launches every waiting reduction in order, with zeros where this rank has no gradient."""
+        waiting, self.waiting = self.waiting, []
+        for reduction in waiting:
+            # A reduction in flight here is an earlier backward's (reduce_every_micro_step): it lands
+            # first, and this backward's still goes out (zeros here), as on the ranks whose gradients
+            # finished it early.
+            reduction.finish()
+            reduction.start(collectives)
+            reduction.ready = False
+
+
 class ReduceSchedule:
     """Launches a fixed list of reductions in one order on every rank (see [Note: one launch order]).
 
@@ -383,18 +445,24 @@ class ReduceSchedule:
     reads the master gradients, and :meth:`drop` to discard them.
     """
 
-    def __init__(self, order: Sequence[Reduction], collectives: Collectives | CountingCollectives) -> None:
+    def __init__(
+        self,
+        order: Sequence[Reduction],
+        collectives: Collectives | CountingCollectives,
+        launches: LaunchQueue | None = None,
+    ) -> None:
         self.order = list(order)
         self.collectives = collectives
         self.sync_enabled = True  # False inside no_sync(): backward accumulates locally only
-        self._cursor = 0  # order[:cursor] were launched by the current backward
+        # What the current synchronized round has not launched yet; shared with the other schedules
+        # of one process group (see [Note: one launch order]).
+        self.launches = launches if launches is not None else LaunchQueue()
         self._task: int | None = None  # the autograd graph task whose gradients arrive now
         self._synced = True  # whether the current backward reduces (sync_enabled when it began)
         self.poll_after_launch = False  # offload: finished reductions move to the CPU during backward
         # Whether a backward began since the last finish or drop: only then does finish owe a round.
         self.pending = False
         self._explicit = False  # inside begin_backward/close_backward: task ids do not start backwards
-        self._rounds = 0
         self._running_tasks: set[int] = set()  # graph tasks seen that have not finished yet
         # Gradients arrived after their reduction of this backward went out: finish owes a round.
         self.leftover = False
@@ -432,17 +500,18 @@ class ReduceSchedule:
         finally:
             self.sync_enabled = previous
 
-    def begin_backward(self) -> None:
+    def begin_backward(self, round_id: int | None = None) -> None:
         """A backward starts (every rank calls it for every backward, see [Note: what one backward
-        is]): its gradients form one round, even if they reach no parameter of this schedule."""
+        is]): its gradients form one round, even if they reach no parameter of this schedule.
+        Schedules sharing a queue begin one backward with the same ``round_id``
+        (``launches.new_round_id()``)."""
         self._explicit = False
         self._running_tasks = set()  # a backward that raised never ran its callback
-        self._new_round()
+        self._new_round(round_id)
         self._explicit = True
 
-    def _new_round(self) -> None:
-        self._rounds += 1
-        self.enter_backward(task=-1 - self._rounds)  # no autograd task has a negative id
+    def _new_round(self, round_id: int | None = None) -> None:
+        self.enter_backward(task=self.launches.new_round_id() if round_id is None else round_id)
 
     def close_backward(self) -> None:
         """The backward ``begin_backward`` announced has returned."""
@@ -463,7 +532,7 @@ class ReduceSchedule:
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self._running_tasks.discard(task))
         if task == self._task:
             return
-        self.launch_remaining()
+        self.launches.open_round(task, self.collectives)
         for reduction in self.order:
             reduction.arrived = 0
             reduction.complete = False
@@ -471,6 +540,8 @@ class ReduceSchedule:
         self._task = task
         self._synced = self.sync_enabled
         self.pending = True
+        if self._synced:
+            self.launches.join(self.order)
 
     def arrived(self, reduction: Reduction) -> bool:
         """Counts one gradient of ``reduction``; True when it completes this backward's set (then,
@@ -491,26 +562,13 @@ class ReduceSchedule:
         return True
 
     def _launch_ready(self) -> None:
-        while self._cursor < len(self.order):
-            reduction = self.order[self._cursor]
-            if not reduction.ready:
-                return
-            reduction.start(self.collectives)
-            reduction.ready = False
-            self._cursor += 1
+        self.launches.launch_ready(self.collectives)
 
     def launch_remaining(self) -> None:
-        """Launches what the current synchronized backward left, in order, with zeros where this
-        rank has no gradient; the next backward starts from the front of the order."""
-        if self._task is not None and self._synced:
-            for reduction in self.order[self._cursor :]:
-                # Past the cursor, a reduction in flight is an earlier backward's
-                # (reduce_every_micro_step): it lands first, and this backward's still goes out
-                # (zeros here), as on the ranks whose gradients finished it early.
-                reduction.finish()
-                reduction.start(self.collectives)
-                reduction.ready = False
-        self._cursor = 0
+        """Launches what the current synchronized round left (with a shared queue, every schedule's
+        round: an earlier one's must not go out after a later one's), in order, with zeros where
+        this rank has no gradient."""
+        self.launches.launch_all(self.collectives)
 
     def finish(self) -> None:
         """Every gradient produced so far lands, averaged over ranks, in the master gradients.
@@ -534,11 +592,15 @@ class ReduceSchedule:
             # round of their own, zeros elsewhere.
             self.leftover = False
             self._new_round()
-            self._synced = True
+            if not self._synced:  # finish inside no_sync: the extra round is sent all the same
+                self._synced = True
+                self.launches.join(self.order)
         self.pending = False
         if self._task is None or not self._synced:
-            self._task, self._synced = -1, True
-            self._cursor = 0
+            # A round of this schedule alone, after what any other round left.
+            self._task, self._synced = self.launches.new_round_id(), True
+            self.launches.open_round(self._task, self.collectives)
+            self.launches.join(self.order)
         self.launch_remaining()
         self._task = None
         return True
@@ -577,4 +639,4 @@ class ReduceSchedule:
             reduction.complete = False
 
 
-__all__ = ["BufferPool", "GradState", "ReduceSchedule", "Reduction"]
+__all__ = ["BufferPool", "GradState", "LaunchQueue", "ReduceSchedule", "Reduction"]
