@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from lightning_zero.zero.flat import Bucket
-from lightning_zero.zero.layout import ParamSlot, Range, rank_chunk, round_up
+from lightning_zero.zero.layout import (
+    ParamSlot,
+    Range,
+    rank_chunk,
+    round_up,
+    take_written,
+)
 
 
 def test_range_intersect_stays_inside_itself() -> None:
@@ -61,3 +67,19 @@ def test_every_rank_s_pieces_tile_its_chunk_and_read_back_every_parameter(world:
         for number, piece in enumerate(buckets[0].pieces):
             parts = [gathered[r * chunk + piece.tile_offsets[r] :][: piece.ranges[r].size] for r in range(world)]
             assert torch.equal(torch.cat(parts), piece.param.detach()), (sizes, world, number)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_take_written_takes_what_changed_and_counts_no_nan_as_a_write(dtype: torch.dtype) -> None:
+    """A parameter written through .data is taken into its fp32 master where it differs from the
+    master rounded to its dtype; NaNs already in both are no write (NaN != NaN made one before,
+    and with it a spurious DataWriteWarning)."""
+    master = torch.tensor([1.0, float("nan"), 3.000001, 4.0])
+    written = master.to(dtype, copy=True)
+    assert not take_written(master, written)
+    assert master[2].item() == pytest.approx(3.000001, abs=1e-7)  # unchanged: the extra precision stays
+    written[3] = 8.0
+    assert take_written(master, written)
+    assert master[3].item() == 8.0 and master[0].item() == 1.0 and master[1].isnan()
+    written[1] = 2.0  # a NaN overwritten is a write
+    assert take_written(master, written) and master[1].item() == 2.0

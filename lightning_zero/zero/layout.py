@@ -131,15 +131,16 @@ def held_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dty
 def take_written(master: Tensor, written: Tensor) -> bool:
     """``master`` takes ``written``'s values where they differ from the master rounded to their
     dtype: a parameter user code wrote into. Where the value is unchanged the master keeps its
-    extra precision (a bf16 parameter written with its own value loses nothing). Returns whether
-    anything differed."""
+    extra precision (a bf16 parameter written with its own value loses nothing). A NaN where the
+    master holds one too is no write. Returns whether anything differed."""
     if written.dtype == master.dtype and written.device == master.device:
         if torch.equal(written, master):  # one pass, no temporaries: the common case
             return False
         rounded = master
     else:
         rounded = master.to(written.device, written.dtype)
-    changed = written != rounded
+    # NaN != NaN: a parameter that already held a NaN would look written at every comparison.
+    changed = (written != rounded) & ~(written.isnan() & rounded.isnan())
     if not bool(changed.any()):
         return False
     master.copy_(torch.where(changed.to(master.device), written.to(master.device, master.dtype), master))
