@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+
+from lightning_zero.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpt" / "train.py"
@@ -36,17 +39,27 @@ def test_a_budget_below_every_configuration_is_a_message_and_exit_2(tmp_path: Pa
     assert not (tmp_path / "tuned.yaml").exists()
 
 
-def test_bad_tune_arguments_are_messages_and_exit_2(tmp_path: Path) -> None:
+def test_bad_tune_arguments_are_messages_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A console run, for its exit code and stderr; the other refusals in this process (each console
+    # run costs seconds of imports), where an exception that is no message would fail the test.
+    done = _tune(tmp_path, "--stages", "1,2", "--offload", "params")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "holds no configuration: parameter offload ('params') needs stage 3" in done.stderr
+    monkeypatch.chdir(tmp_path)
     for args, message in (
-        (("--stages", "1,2", "--offload", "params"), "holds no configuration: parameter offload ('params') needs stage 3"),
         (("--budget", "lots"), "--budget='lots' is not a number of bytes"),
         (("--micro-batch-sizes", "8,x"), "'8,x' is not a comma-separated list of integers"),
         (("--micro-batch-sizes", ","), "SearchSpace.micro_batch_sizes is empty"),  # refused, not the defaults
         (("--output", str(CONFIG)), "is not an earlier tuning's output: it is kept"),  # the run's own config
     ):
-        done = _tune(tmp_path, *args)
-        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert "--overwrite" in done.stderr
+        try:
+            code = main(["tune", *args, str(SCRIPT), "--config", str(CONFIG)])
+        except SystemExit as exit:  # argparse's own refusals
+            code = exit.code
+        error = capsys.readouterr().err
+        assert code == 2 and message in error, error[-2000:]
+    assert "--overwrite" in error
 
 
 def test_tune_writes_a_config_the_script_trains(tmp_path: Path) -> None:

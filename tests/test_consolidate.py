@@ -24,6 +24,7 @@ from harness import run_on_ranks
 from lightning_zero import CheckpointError, Collectives, ZeroConfig, ZeroOptimizer, consolidate
 from lightning_zero.checkpoint import load_checkpoint, save_checkpoint
 from lightning_zero.checkpoint import sharded
+from lightning_zero.cli import main
 from lightning_zero.zero.stage3 import Zero3Engine, Zero3Optimizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -268,8 +269,30 @@ def test_console_command_is_installed() -> None:
         ([".", "out.pt"], "), not a checkpoint itself: pass one of them, e.g."),
     ],
 )
-def test_console_command_reports_bad_input_without_a_traceback(exported: Any, arguments: list[str], message: str) -> None:
-    directory = exported["directory"]
+def test_console_command_reports_bad_input_without_a_traceback(
+    exported: Any, arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In this process (a console run costs seconds of imports each): an exception that is no
+    # message would fail the test. The exit code and stderr of a real console run: the test below.
+    directory = _bad_inputs(exported["directory"])
+    assert main(["consolidate", *[str(directory / a) for a in arguments]]) == 2
+    assert message in capsys.readouterr().err
+    assert not (directory / "out.pt").exists()
+
+
+def test_console_command_exits_2_on_bad_input_without_a_traceback(exported: Any) -> None:
+    directory = _bad_inputs(exported["directory"])
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_zero.cli", "consolidate", str(directory / "empty"), str(directory / "out.pt")],
+        capture_output=True, text=True, timeout=120, check=False, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 2
+    assert "not a complete checkpoint" in result.stderr and "Traceback" not in result.stderr
+    assert not (directory / "out.pt").exists()
+
+
+def _bad_inputs(directory: Path) -> Path:
+    """Beside the exported checkpoint: things that are not one, each of which the command refuses."""
     (directory / "empty").mkdir(exist_ok=True)
     (directory / "notes.txt").write_text("not a checkpoint\n")
     torch.save({"state_dict": {}}, directory / "one_file.pt")
@@ -278,13 +301,7 @@ def test_console_command_reports_bad_input_without_a_traceback(exported: Any, ar
     (deepspeed / "latest").write_text("checkpoint")
     (deepspeed / "zero_to_fp32.py").write_text("")
     torch.save({}, deepspeed / "checkpoint" / "mp_rank_00_model_states.pt")
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_zero.cli", "consolidate", *[str(directory / a) for a in arguments]],
-        capture_output=True, text=True, timeout=120, check=False, cwd=REPO_ROOT,
-    )
-    assert result.returncode == 2
-    assert message in result.stderr and "Traceback" not in result.stderr
-    assert not (directory / "out.pt").exists()
+    return directory
 
 
 def test_bad_dtype_is_refused(exported: Any) -> None:
