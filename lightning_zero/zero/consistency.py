@@ -34,11 +34,28 @@ same clear error on every rank when those differ:
 The exchange is one small all-gather of the same size at every such point (``agree_at``), so
 ranks at two different points meet in it and both raise; it runs on a gloo group beside an NCCL
 one so that it needs no device synchronization.
+
+[Note: ranks that never arrive]
+An agreement meets ranks at two of its points, not a rank that never comes to one: a rank
+waiting in a collective of Lightning's own (its broadcast before every batch, a barrier) or one
+that left the loop. At stage 3 that is what a forward on some ranks only does (a callback's
+``if trainer.is_global_zero: model.generate(...)``, measured: rank 0 waits at the gather of the
+first unit while rank 1 waits in Lightning's broadcast before its next batch). Nothing can tell
+the ranks apart then, and each waits until its process group's timeout (30 minutes by default).
+So a watchdog thread (:class:`AgreementWatch`) says, once per wait, which agreement this rank has
+waited in for longer than ``LIGHTNING_ZERO_AGREEMENT_PATIENCE`` seconds (120 by default) and what
+usually causes it. The wait itself goes on: a rank that is only slow (a long checkpoint write)
+arrives later, and the run continues.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
+import sys
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -74,11 +91,79 @@ LOOP_COLLECTIVES = ("barrier", "all_reduce", "all_gather", "broadcast", "save", 
 _POINT_WIDTH = 5  # the point and four values
 
 
+class AgreementWatch:
+    """Says on stderr which agreement this rank has waited in for long (see [Note: ranks that never
+    arrive]); one per process, its thread started on the first wait."""
+
+    DEFAULT_PATIENCE_S = 120.0
+
+    def __init__(self) -> None:
+        self.reported: list[str] = []  # what it said, for tests
+        self._waiting: tuple[float, int, list[int]] | None = None  # (since, rank, agreement row) of the wait now
+        self._said_for: float | None = None  # the start of the wait it last spoke about
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    @staticmethod
+    def patience_s() -> float:
+        value = os.environ.get("LIGHTNING_ZERO_AGREEMENT_PATIENCE", "")
+        try:
+            return float(value) if value else AgreementWatch.DEFAULT_PATIENCE_S
+        except ValueError:
+            return AgreementWatch.DEFAULT_PATIENCE_S
+
+    @contextlib.contextmanager
+    def watching(self, rank: int, row: list[int]) -> Iterator[None]:
+        """Marks this rank's wait in the agreement ``row`` (the point and its values); no more than
+        two attribute writes, as agreements run several times a step."""
+        if self._thread is None or self._pid != os.getpid():  # a forked child has no thread of its parent's
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, name="lightning_zero agreement watch", daemon=True)
+            self._thread.start()
+        self._waiting = (time.monotonic(), rank, row)
+        try:
+            yield
+        finally:
+            self._waiting = None
+
+    def _run(self) -> None:
+        while True:
+            patience = self.patience_s()
+            time.sleep(min(max(patience / 4, 0.01), 5.0))
+            waiting = self._waiting
+            if waiting is None or waiting[0] == self._said_for:
+                continue
+            since, rank, row = waiting
+            waited = time.monotonic() - since
+            if waited >= patience:
+                self._said_for = since
+                self.say(_waited_message(rank, waited, _describe(row)))
+
+    def say(self, message: str) -> None:
+        self.reported.append(message)
+        print(message, file=sys.stderr, flush=True)
+
+
+def _waited_message(rank: int, waited: float, what: str) -> str:
+    return (
+        f"lightning_zero: rank {rank} has waited {waited:.0f} s for the other ranks to agree before it {what}. A rank"
+        " that never gets there (it runs other code, or waits in a collective of Lightning's own) keeps this one"
+        " waiting until the process group's timeout. At stage 3 the usual cause is a forward on some ranks only,"
+        " such as `if trainer.is_global_zero: model.generate(...)` in a callback: every forward gathers the"
+        " parameters from every rank, so run it on every rank (and log rank 0's output). A rank that is only slow"
+        " (a long checkpoint write) arrives later, and the run goes on."
+    )
+
+
+AGREEMENT_WATCH = AgreementWatch()
+
+
 def agree_at(collectives: AnyCollectives, point: Point, values: Sequence[int] = ()) -> list[list[int]]:
     """Every rank's ``values`` at ``point`` (one small exchange); raises on every rank when some
     rank is at another point."""
     padded = [int(point), *values] + [0] * (_POINT_WIDTH - 1 - len(values))
-    rows = collectives.agree(padded)
+    with AGREEMENT_WATCH.watching(getattr(collectives, "rank", 0), padded):
+        rows = collectives.agree(padded)
     if any(row[0] != point for row in rows):
         described = ", ".join(f"rank {rank} {_describe(row)}" for rank, row in enumerate(rows))
         raise RanksDisagreeError(
