@@ -48,10 +48,18 @@ def _compare_forms() -> dict[str, Any]:
                 own = in_place[rank * chunk:(rank + 1) * chunk]
                 own.copy_(output)
                 collectives.all_gather(in_place, own).wait()
-                results[name] = (output, gathered, in_place)
+                # From a wider master (an fp32 master of a bf16 parameter): cast on the way, the
+                # master left as it was
+                wider = torch.full((world * chunk,), float("nan"), dtype=dtype)
+                master = output.double()
+                collectives.all_gather(wider, master).wait()
+                if not torch.equal(master, output.double()):
+                    out["mismatches"].append((name, "master written", str(dtype), chunk))
+                results[name] = (output, gathered, in_place, wider)
             for name in ("native", "alternative", "exchange", "rule"):
-                whats = ("reduce_scatter", "all_gather", "all_gather in place")
-                for what, mine, plain in zip(whats, results[name], (*results["native"][:2], results["native"][1])):
+                whats = ("reduce_scatter", "all_gather", "all_gather in place", "all_gather from a wider dtype")
+                plains = (*results["native"][:2], results["native"][1], results["native"][1])
+                for what, mine, plain in zip(whats, results[name], plains):
                     if not torch.equal(mine, plain):
                         out["mismatches"].append((name, what, str(dtype), chunk))
             out["cases"] += 1

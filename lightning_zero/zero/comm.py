@@ -490,7 +490,10 @@ class Collectives:
                 dist.all_reduce(tensor, op=op, group=group)
 
     def all_gather(self, output: Tensor, input: Tensor) -> Handle:
-        """Concatenates every rank's ``input`` (shape [n]) into ``output`` (shape [world * n])."""
+        """Concatenates every rank's ``input`` (shape [n]) into ``output`` (shape [world * n]).
+
+        ``input`` may be of another dtype (an fp32 master of a bf16 parameter): the wire carries
+        ``output``'s. It must not change until the gather is waited for."""
         if self.world_size == 1:
             output.copy_(input)
             return _Done()
@@ -499,20 +502,22 @@ class Collectives:
         own = output[self.rank * n:(self.rank + 1) * n]
         in_place = input.data_ptr() == own.data_ptr() and input.dtype == own.dtype  # the CPU step wrote it there
         if form != "all_gather":
+            # This rank's chunk is written into the output first (cast there) and sent from there:
+            # no copy of the input of its own.
             slots = [output[r * n:(r + 1) * n] for r in range(self.world_size)]
             if not in_place:
-                slots[self.rank].copy_(input)
+                own.copy_(input)
         if form == "exchange":
             splits = _exchange_splits(self.rank, n)
-            with self.holding(slots[1 - self.rank], input):
-                return dist.all_to_all_single(slots[1 - self.rank], input, output_split_sizes=splits,
+            with self.holding(slots[1 - self.rank], own):
+                return dist.all_to_all_single(slots[1 - self.rank], own, output_split_sizes=splits,
                                               input_split_sizes=splits, group=self.group, async_op=True)
         if form == "broadcasts":
             with self.holding(*slots):
                 return _Broadcasts([dist.broadcast(slot, src=self._group_ranks[r], group=self.group, async_op=True)
                                     for r, slot in enumerate(slots)])
-        if in_place:
-            input = input.clone()  # gloo does not promise in-place gathers
+        if in_place or input.dtype != output.dtype:
+            input = input.to(output.dtype, copy=True)  # gloo does not promise in-place gathers
         with self.holding(output, input):
             return _all_gather_single(output, input, group=self.group, async_op=True)
 

@@ -259,11 +259,13 @@ class FlatParamBuffer:
     def start_bucket_gather(self, bucket: Bucket, collectives: Collectives | CountingCollectives, staged: bool) -> Handle:
         """Starts gathering one bucket's updated chunks into its parameters."""
         with torch.profiler.record_function("zero::all_gather"):
-            # A separate input tensor: gloo does not promise in-place gathers. A device staging
-            # chunk already is one, in the parameters' dtype: it is sent as it is; so is the CPU
-            # staging that is this rank's chunk of the parameters (Collectives.all_gather knows).
+            # On the parameters' device the master (or staging) chunk is handed over as it is:
+            # Collectives.all_gather writes it into this rank's chunk of the parameters, cast, and
+            # sends it from there, or casts a copy where the collective needs one (before, every
+            # chunk was first copied here, then again into the parameters). Nothing writes the
+            # masters before the gather is waited for.
             source = bucket.staging if bucket.staging is not None and staged else bucket.master
-            if source is bucket.staging and source.device == bucket.param_data.device:
+            if source.device == bucket.param_data.device:
                 chunk = source
             else:
                 # Pinned staging in the parameters' dtype crosses without the host waiting; the
