@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from lightning_zero.zero.consistency import AGREEMENT_WATCH, Point, agree_at
+from lightning_zero.zero import consistency
+from lightning_zero.zero.consistency import AgreementWatch, Point, agree_at
 
 
 class LateCollectives:
@@ -32,9 +33,10 @@ class LateCollectives:
 
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    monkeypatch.setenv("LIGHTNING_ZERO_AGREEMENT_PATIENCE", "0.2")
-    AGREEMENT_WATCH.reported.clear()
-    return AGREEMENT_WATCH.reported
+    """What a watch with a patience of 0.2 s, standing in for the process's, says."""
+    watch = AgreementWatch(patience_s=0.2)
+    monkeypatch.setattr(consistency, "AGREEMENT_WATCH", watch)
+    return watch.reported
 
 
 def test_a_long_wait_in_an_agreement_says_where_once_and_the_agreement_still_completes(watch: list[str]) -> None:
@@ -59,3 +61,21 @@ def test_each_long_wait_is_reported_on_its_own(watch: list[str]) -> None:
     agree_at(LateCollectives(rank=0, delay=0.9), Point.BATCH, [1])  # type: ignore[arg-type]
     assert [message.split(". A rank")[0].split("before it ")[1] for message in watch] == [
         "ended its training_step after 1 optimizer step(s)", "fetches a batch"]
+
+
+def test_a_wait_after_many_short_ones_is_still_reported(watch: list[str]) -> None:
+    """The thread sleeps until a wait begins, then until its deadline: a long wait right after
+    short ones is seen as soon as its own patience runs out."""
+    for _ in range(50):
+        agree_at(LateCollectives(rank=0, delay=0.0), Point.GATHER, [1, 0])  # type: ignore[arg-type]
+    agree_at(LateCollectives(rank=0, delay=0.9), Point.GATHER, [2, 0])  # type: ignore[arg-type]
+    assert len(watch) == 1 and "gathers ZeRO-3 unit #2" in watch[0]
+
+
+@pytest.mark.parametrize(("value", "patience"), [("", 120.0), ("5", 5.0), ("0", None), ("nan", 120.0),
+                                                 ("-3", 120.0), ("inf", 120.0), ("soon", 120.0)])
+def test_the_patience_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                  patience: float | None) -> None:
+    """0 turns the watch off; what is not a finite positive number of seconds leaves the default."""
+    monkeypatch.setenv("LIGHTNING_ZERO_AGREEMENT_PATIENCE", value)
+    assert AgreementWatch().patience() == patience

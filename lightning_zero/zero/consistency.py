@@ -93,34 +93,54 @@ _POINT_WIDTH = 5  # the point and four values
 
 class AgreementWatch:
     """Says on stderr which agreement this rank has waited in for long (see [Note: ranks that never
-    arrive]); one per process, its thread started on the first wait."""
+    arrive]); one per process, its thread started on the first wait.
+
+    ``patience_s``: seconds before it speaks; ``None`` reads ``LIGHTNING_ZERO_AGREEMENT_PATIENCE``
+    at each wait (120 when unset, 0 turns the watch off, anything else not a finite number of
+    seconds is ignored)."""
 
     DEFAULT_PATIENCE_S = 120.0
 
-    def __init__(self) -> None:
+    def __init__(self, patience_s: float | None = None) -> None:
         self.reported: list[str] = []  # what it said, for tests
-        self._waiting: tuple[float, int, list[int]] | None = None  # (since, rank, agreement row) of the wait now
+        self._patience_s = patience_s
+        # (since, patience, rank, agreement row) of the wait in progress: a new tuple per wait
+        self._waiting: tuple[float, float, int, list[int]] | None = None
         self._said_for: float | None = None  # the start of the wait it last spoke about
+        self._wake = threading.Event()  # set when a wait begins while the thread sleeps without a deadline
+        self._idle = False
         self._thread: threading.Thread | None = None
         self._pid = 0
 
-    @staticmethod
-    def patience_s() -> float:
+    def patience(self) -> float | None:
+        """Seconds to wait before speaking, or ``None``: the watch is off."""
+        if self._patience_s is not None:
+            return self._patience_s if self._patience_s > 0 else None
         value = os.environ.get("LIGHTNING_ZERO_AGREEMENT_PATIENCE", "")
         try:
-            return float(value) if value else AgreementWatch.DEFAULT_PATIENCE_S
+            seconds = float(value) if value else self.DEFAULT_PATIENCE_S
         except ValueError:
-            return AgreementWatch.DEFAULT_PATIENCE_S
+            return self.DEFAULT_PATIENCE_S
+        if seconds == 0:
+            return None
+        return seconds if 0 < seconds < float("inf") else self.DEFAULT_PATIENCE_S
 
     @contextlib.contextmanager
     def watching(self, rank: int, row: list[int]) -> Iterator[None]:
-        """Marks this rank's wait in the agreement ``row`` (the point and its values); no more than
-        two attribute writes, as agreements run several times a step."""
+        """Marks this rank's wait in the agreement ``row`` (the point and its values). Agreements
+        run several times a step: this wakes the thread only when it sleeps without a deadline."""
+        patience = self.patience()
+        if patience is None:
+            yield
+            return
         if self._thread is None or self._pid != os.getpid():  # a forked child has no thread of its parent's
             self._pid = os.getpid()
+            self._wake = threading.Event()
             self._thread = threading.Thread(target=self._run, name="lightning_zero agreement watch", daemon=True)
             self._thread.start()
-        self._waiting = (time.monotonic(), rank, row)
+        self._waiting = (time.monotonic(), patience, rank, row)
+        if self._idle:
+            self._wake.set()
         try:
             yield
         finally:
@@ -128,16 +148,21 @@ class AgreementWatch:
 
     def _run(self) -> None:
         while True:
-            patience = self.patience_s()
-            time.sleep(min(max(patience / 4, 0.01), 5.0))
             waiting = self._waiting
-            if waiting is None or waiting[0] == self._said_for:
-                continue
-            since, rank, row = waiting
-            waited = time.monotonic() - since
-            if waited >= patience:
+            if waiting is not None and waiting[0] != self._said_for:
+                since, patience, rank, row = waiting
+                remaining = since + patience - time.monotonic()
+                if remaining > 0:
+                    time.sleep(remaining)
+                    continue  # look again: the same wait, another, or none
                 self._said_for = since
-                self.say(_waited_message(rank, waited, _describe(row)))
+                self.say(_waited_message(rank, time.monotonic() - since, _describe(row)))
+            # Nothing to watch (no wait, or this one was spoken of): sleep until a wait begins.
+            self._wake.clear()
+            self._idle = True
+            if self._waiting is waiting:
+                self._wake.wait()
+            self._idle = False
 
     def say(self, message: str) -> None:
         self.reported.append(message)

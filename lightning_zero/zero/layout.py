@@ -139,8 +139,11 @@ def take_written(master: Tensor, written: Tensor) -> bool:
         rounded = master
     else:
         rounded = master.to(written.device, written.dtype)
+    changed = written != rounded
+    if not bool(changed.any()):
+        return False
     # NaN != NaN: a parameter that already held a NaN would look written at every comparison.
-    changed = (written != rounded) & ~(written.isnan() & rounded.isnan())
+    changed &= ~(written.isnan() & rounded.isnan())
     if not bool(changed.any()):
         return False
     master.copy_(torch.where(changed.to(master.device), written.to(master.device, master.dtype), master))
