@@ -634,17 +634,13 @@ class FlatEngine:
         gradient, backward reaching later modules first. Each layout keeps its own order (one
         layout's is unchanged); ties go to the layout set up first."""
         index_of = {param: index for index, param in enumerate(self.module.parameters())}
-
-        def completes_at(reduction: Reduction) -> int:
-            bucket = bucket_of[reduction]
-            return -min((index_of.get(slot.param, -1) for slot in bucket.slots), default=-1)
-
-        bucket_of = {bucket.reduction: bucket for layout in self.layouts for bucket in layout.buckets}
-        orders = [list(layout.schedule.order) for layout in self.layouts]
+        # Per layout, in its launch order (its buckets'): (when backward completes it, its reduction)
+        orders = [[(-min((index_of.get(slot.param, -1) for slot in bucket.slots), default=-1), bucket.reduction)
+                   for bucket in layout.buckets] for layout in self.layouts]
         merged: list[Reduction] = []
         while any(orders):
-            heads = [(completes_at(order[0]), number) for number, order in enumerate(orders) if order]
-            merged.append(orders[min(heads)[1]].pop(0))
+            _, first = min((order[0][0], number) for number, order in enumerate(orders) if order)
+            merged.append(orders[first].pop(0)[1])
         self.launches.position = {reduction: place for place, reduction in enumerate(merged)}
 
     def wrap_optimizer(self, optimizer: Optimizer, loss_scaler: Any = None) -> Any:
