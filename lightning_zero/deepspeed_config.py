@@ -46,7 +46,8 @@ DeepSpeedSource = str | os.PathLike[str] | Mapping[str, Any]
 
 # DeepSpeed's own defaults where ours differ and the key's presence asks for DeepSpeed's behaviour.
 _DS_PREFETCH_BUCKET_SIZE = 50_000_000
-_DS_PIN_MEMORY = False
+# DeepSpeed's offload sections pin by default (DeepSpeedZeroOffload*Config.pin_memory, 0.19).
+_DS_PIN_MEMORY = True
 
 # Top-level keys DeepSpeed knows that we do not use, and why (what takes their place here).
 _UNUSED_TOP_LEVEL: dict[str, str] = {

@@ -84,7 +84,10 @@ def test_lightning_docs_zero3_offload_bf16_config() -> None:
 @pytest.mark.parametrize(("values", "expected"), [
     (_config(reduce_bucket_size=5e5), ZeroConfig(stage=2, reduce_bucket_size=500_000)),
     (_config(reduce_bucket_size="auto"), ZeroConfig(stage=2)),
-    (_config(offload_optimizer={"device": "cpu"}), ZeroConfig(stage=2, offload_optimizer=CPUOffloadPolicy(pin_memory=False))),
+    (_config(offload_optimizer={"device": "cpu"}), ZeroConfig(stage=2, offload_optimizer=CPUOffloadPolicy(pin_memory=True))),
+    (_config(offload_optimizer={"device": "cpu", "pin_memory": False}),
+     ZeroConfig(stage=2, offload_optimizer=CPUOffloadPolicy(pin_memory=False))),
+    (_config(cpu_offload=True), ZeroConfig(stage=2, offload_optimizer=CPUOffloadPolicy(pin_memory=True))),
     (_config(offload_optimizer={"device": "cpu", "ratio": 0.25, "pin_memory": True}),
      ZeroConfig(stage=2, offload_optimizer=CPUOffloadPolicy(pin_memory=True, ratio=0.25))),
     (_config(offload_optimizer={"device": "none"}), ZeroConfig(stage=2)),
