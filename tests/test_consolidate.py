@@ -231,6 +231,35 @@ def test_export_memory_is_bounded_by_the_largest_tensor_not_the_model(exported: 
     assert any(not torch.equal(weights[k], v) for k, v in reference.state_dict().items())
 
 
+def test_the_progress_bar_ends_at_its_total(exported: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each tensor is counted when it is read: a writer that stops at the last tensor ended short."""
+    import importlib
+
+    from lightning_zero import consolidate_hf
+
+    bars: list[Any] = []
+
+    class RecordingBar:
+        def __init__(self, path: Path, total: int) -> None:
+            self.total, self.done, self.closed = total, 0, False
+            bars.append(self)
+
+        def advance(self, nbytes: int) -> None:
+            self.done += nbytes
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(importlib.import_module("lightning_zero.checkpoint.consolidate"), "_Bar", RecordingBar)
+    source = exported["directory"] / "small.ckpt"
+    consolidate(source, tmp_path / "small.pt")
+    consolidate(source, tmp_path / "small.safetensors")
+    consolidate_hf(source, tmp_path / "hf")
+    assert len(bars) == 3
+    assert [(bar.done, bar.closed) for bar in bars] == [(bar.total, True) for bar in bars]
+    assert all(bar.total > 0 for bar in bars)
+
+
 def test_console_command_exports_bf16_safetensors_with_a_progress_bar(exported: Any) -> None:
     directory = exported["directory"]
     out = directory / "small.safetensors"

@@ -282,9 +282,11 @@ def _stream(path: Path, metadata: Metadata, entries: list[_Entry], progress: boo
             if batch:
                 loaded = _read_batch(path, metadata, batch)
                 for item in batch:
-                    yield (item.key if by_key else item.source), loaded[item.source].to(item.dtype)
+                    # Counted as read before it is handed over: a writer that takes the last tensor
+                    # and closes the stream never resumes it, and the bar would end short.
                     if bar is not None:
                         bar.advance(item.nbytes)
+                    yield (item.key if by_key else item.source), loaded[item.source].to(item.dtype)
                 del loaded
             batch, size = ([entry], entry.nbytes) if entry is not None else ([], 0)
     finally:
