@@ -201,6 +201,14 @@ def test_frozen_parameters_are_held_not_trained() -> None:
     blocks = ZeroConfig(stage=3, unit_modules=("TransformerEncoderLayer",), param_persistence_threshold=0)
     assert estimate_memory(module, n, blocks, "bf16").device.grads == 4 * -(-trained // n)
     assert not any("trainable" in note for note in from_module.notes)
+    # trained= (what an engine holds gradients for) decides instead of requires_grad, which is left alone.
+    whole = tiny_gpt(frozen=False)
+    named_trained = {p for p in whole.parameters() if p not in set(whole.embed.parameters()) | set(whole.block.parameters())}
+    by_argument = estimate_memory(whole, n, blocks, "bf16", trained=named_trained)
+    assert by_argument == estimate_memory(module, n, blocks, "bf16")
+    assert all(p.requires_grad for p in whole.parameters())
+    with pytest.raises(ValueError, match=r"trained=...\) names parameters of a module; with a count \(1000\)"):
+        estimate_memory(1000, 2, trained=set())
     module.requires_grad_(False)
     assert any("no trainable parameters" in note for note in estimate_memory(module, n).notes)
 

@@ -47,7 +47,7 @@ its forward once and counting what autograd saves for backward; otherwise they a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -112,11 +112,13 @@ def estimate_memory(
     optimizer_moments: int = 2,
     device_type: str = "cuda",
     frozen_params: int = 0,
+    trained: Collection[nn.Parameter] | None = None,
 ) -> MemoryEstimate:
     """One rank's memory for ``model`` (a module, or a trainable parameter count) sharded over
     ``world_size`` data-parallel ranks with ``config`` (stage, offload, bucket, unit and prefetch
     sizes) and ``precision`` (a Trainer precision flag). A module's frozen parameters count as
-    held, not trained; with a count, ``frozen_params`` gives theirs. ``sample_batch`` (one
+    held, not trained: those without ``requires_grad``, or those not in ``trained`` when it is
+    given (a run's engine knows what it trains); with a count, ``frozen_params`` gives theirs. ``sample_batch`` (one
     micro-batch, with a module) measures the activations; ``optimizer_moments`` is the fp32 state
     per element (Adam: 2, SGD with momentum: 1); ``device_type`` is where training runs ("cpu":
     offloaded state shares the training device's memory). Plain PyTorch: no process group, no
@@ -124,10 +126,14 @@ def estimate_memory(
     config = config if config is not None else ZeroConfig()
     precision = PRECISION_ALIASES.get(str(precision), precision)
     _check_inputs(model, world_size, config, precision, optimizer_moments, device_type, frozen_params)
+    if trained is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"estimate_memory(trained=...) names parameters of a module; with a count ({model!r}), give"
+                         " frozen_params= instead.")
+    is_trained = _trained_test(trained)
     if isinstance(model, nn.Module):
         params = list(dict.fromkeys(model.parameters()))  # a tied weight is held once
-        numel = sum(p.numel() for p in params if p.requires_grad)
-        frozen = sum(p.numel() for p in params if not p.requires_grad)
+        numel = sum(p.numel() for p in params if is_trained(p))
+        frozen = sum(p.numel() for p in params if not is_trained(p))
     else:
         numel, frozen = int(model), frozen_params
     n, p_bytes = world_size, PARAM_BYTES[precision]
@@ -178,7 +184,7 @@ def estimate_memory(
             master_on_host = placed is host and device_type != "cpu"
             if not (p_bytes == MASTER_BYTES and master_on_host == shard_on_host):
                 placed.optimizer_states += MASTER_BYTES * part
-        largest = _largest_unit_numels(model, config)
+        largest = _largest_unit_numels(model, config, is_trained)
         if largest is None:
             unit = min(mastered, config.min_unit_numel)
             trained_unit = min(numel, unit)
@@ -229,7 +235,16 @@ def _persistent_numel(model: nn.Module | int, config: ZeroConfig) -> int:
     return sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.numel() < config.param_persistence_threshold)
 
 
-def _largest_unit_numels(model: nn.Module | int, config: ZeroConfig) -> tuple[int, int] | None:
+def _trained_test(trained: Collection[nn.Parameter] | None) -> Callable[[nn.Parameter], bool]:
+    """Whether a parameter is trained: in ``trained`` when given, else by its ``requires_grad``."""
+    if trained is None:
+        return lambda param: param.requires_grad
+    members = set(trained)
+    return lambda param: param in members
+
+
+def _largest_unit_numels(model: nn.Module | int, config: ZeroConfig,
+                         is_trained: Callable[[nn.Parameter], bool]) -> tuple[int, int] | None:
     """The largest stage-3 unit's elements (frozen parameters included: they are gathered too) and
     the largest unit's trained elements (those it reduces), from the module's own unit choice
     (None for a count)."""
@@ -247,7 +262,7 @@ def _largest_unit_numels(model: nn.Module | int, config: ZeroConfig) -> tuple[in
         seen.add(param)
         owner = partition.innermost_prefix(name.rpartition(".")[0], units)
         sizes[owner] = sizes.get(owner, 0) + param.numel()
-        trained[owner] = trained.get(owner, 0) + (param.numel() if param.requires_grad else 0)
+        trained[owner] = trained.get(owner, 0) + (param.numel() if is_trained(param) else 0)
     return max(sizes.values(), default=0), max(trained.values(), default=0)
 
 
