@@ -219,10 +219,11 @@ class FailingAt(TinyGPT):
         return super().training_step(batch, batch_idx)
 
 
-def _fit_alone(module: pl.LightningModule, profiler: ZeroMemoryProfiler, tmp: Any, **kwargs: Any) -> None:
+def _fit_alone(module: pl.LightningModule, profiler: ZeroMemoryProfiler, tmp: Any, ckpt_path: str | None = None,
+               **kwargs: Any) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[profiler], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp), **kwargs)
-    trainer.fit(module, train_dataloaders=loader())
+    trainer.fit(module, train_dataloaders=loader(), ckpt_path=ckpt_path)
 
 
 def test_accumulated_steps_are_sampled_once_each(tmp_path: Any) -> None:
@@ -230,6 +231,35 @@ def test_accumulated_steps_are_sampled_once_each(tmp_path: Any) -> None:
     _fit_alone(TinyGPT(width=16), profiler, tmp_path, max_steps=3, accumulate_grad_batches=2)
     assert [(s.step, s.phase) for s in profiler.samples] == [
         (step, phase) for step in range(3) for phase in ("forward", "backward", "step")]
+
+
+def test_a_resumed_run_continues_the_profile_in_its_directory(tmp_path: Any) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_zero.profiling.report import read_csv
+
+    out = tmp_path / "memory"
+    first = ZeroMemoryProfiler(plots=False, output_dir=out)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[first, checkpoints], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_steps=3)
+    trainer.fit(TinyGPT(width=16), train_dataloaders=loader())
+    assert sorted({s.step for s in read_csv(out / "memory.csv")}) == [0, 1, 2]
+    resumed = ZeroMemoryProfiler(plots=True, output_dir=out)
+    _fit_alone(TinyGPT(width=16), resumed, tmp_path, max_steps=5, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert sorted({s.step for s in resumed.samples}) == [2, 3, 4]
+    # The first run's steps 0 and 1, then every sample of the resumed run (its step 2 replaces the first run's).
+    assert read_csv(out / "memory.csv") == [s for s in first.samples if s.step < 2] + resumed.samples
+    assert {p.name for p in resumed.files} == {"memory.csv", "memory_over_steps.png", "memory_per_rank.png"}
+    # A run from the start replaces the profile; a file that is not one is replaced with a warning.
+    fresh = ZeroMemoryProfiler(plots=False, output_dir=out)
+    _fit_alone(TinyGPT(width=16), fresh, tmp_path, max_steps=1)
+    assert read_csv(out / "memory.csv") == fresh.samples
+    (out / "memory.csv").write_text("step,loss\n0,1.5\n")
+    stranger = ZeroMemoryProfiler(plots=False, output_dir=out)
+    with pytest.warns(UserWarning, match=r"memory.csv' is not continued .*columns \['step', 'loss'\]"):
+        _fit_alone(TinyGPT(width=16), stranger, tmp_path, max_steps=3, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert read_csv(out / "memory.csv") == stranger.samples
 
 
 def test_no_hook_outlives_a_failed_step(tmp_path: Any) -> None:

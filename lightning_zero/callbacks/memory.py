@@ -3,11 +3,9 @@ logged, tabled beside the estimate, written as CSV and PNG plots."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +15,12 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from rich.console import Console
-from torch import nn
 from typing_extensions import override
 
 from lightning_zero._messages import unwritable_directory
 from lightning_zero.profiling.estimate import MemoryEstimate, estimate_memory
 from lightning_zero.profiling.measure import MemorySample, SavedActivations, sample_memory
-from lightning_zero.profiling.report import comparison_table, write_csv, write_plots
+from lightning_zero.profiling.report import comparison_table, continued, read_csv, write_csv, write_plots
 
 log = logging.getLogger(__name__)
 MiB = 2**20
@@ -43,8 +40,9 @@ class ZeroMemoryProfiler(Callback):
     ``memory/rank{r}/{phase}/{category}`` (MiB) and, at the end of fit, prints a table of each
     rank beside :func:`~lightning_zero.estimate_memory`'s figures and writes ``memory.csv``,
     ``memory_over_steps.png`` and ``memory_per_rank.png`` into ``output_dir`` (by default the
-    logger's directory, else ``default_root_dir``/memory). Between sampled batches the hooks
-    return at once.
+    logger's directory, else ``default_root_dir``/memory). A run resumed from a checkpoint into
+    the same directory continues the profile there: the CSV and plots keep the earlier run's
+    samples before the step it resumed at. Between sampled batches the hooks return at once.
 
     Args:
         every_n_steps: sample every n-th optimizer step (the first one too).
@@ -82,6 +80,7 @@ class ZeroMemoryProfiler(Callback):
         self._snapshot_open = False
         self._out: Path | None = None
         self._step = 0  # the optimizer step the current batch runs (global_step at its start): all its phases
+        self._first_step = 0  # global_step when training started: > 0 when resumed from a checkpoint
         self._sampling = False  # whether the current batch is sampled
 
     # ------------------------------------------------------------------ which batches
@@ -103,6 +102,7 @@ class ZeroMemoryProfiler(Callback):
         self._batches = 0
         self.samples, self._mine, self.files = [], [], []
         self.sampling_seconds = 0.0
+        self._first_step = trainer.global_step
         self.estimate = self._estimate(trainer)
         self._out = self._directory(trainer)  # on every rank: trainer.log_dir is a collective
         # Before training, on every rank together: a directory that cannot be written would lose the profile at the end.
@@ -209,11 +209,12 @@ class ZeroMemoryProfiler(Callback):
         console.print(comparison_table(self.samples, self.estimate))
         if self.estimate is not None and self.estimate.notes:
             console.print("estimate: " + "; ".join(self.estimate.notes))
+        profile = self._continued(directory / "memory.csv")
         try:
-            self.files = [write_csv(self.samples, directory / "memory.csv")]
+            self.files = [write_csv(profile, directory / "memory.csv")]
             if self.plots:
                 try:
-                    self.files += write_plots(self.samples, directory)
+                    self.files += write_plots(profile, directory)
                 except ImportError:
                     rank_zero_warn("ZeroMemoryProfiler(plots=True) needs matplotlib (pip install"
                                    " lightning-zero[profiling]): no PNG written.")
@@ -225,6 +226,18 @@ class ZeroMemoryProfiler(Callback):
         console.print("memory profile: " + ", ".join(str(path) for path in self.files))
 
     # ------------------------------------------------------------------ helpers
+    def _continued(self, path: Path) -> list[MemorySample]:
+        """This run's samples, after the earlier run's when this one resumed it into the same directory."""
+        if self._first_step == 0 or not path.exists():
+            return self.samples
+        try:
+            earlier = read_csv(path)
+        except (OSError, ValueError) as error:
+            rank_zero_warn(f"ZeroMemoryProfiler: the earlier profile in {str(path)!r} is not continued ({error});"
+                           " this run's samples replace it.")
+            return self.samples
+        return continued(earlier, self.samples, self._first_step)
+
     def _estimate(self, trainer: pl.Trainer) -> MemoryEstimate | None:
         """The estimate for this run (plain ZeRO over the world; None on a mesh or another strategy)."""
         strategy = trainer.strategy
@@ -237,9 +250,10 @@ class ZeroMemoryProfiler(Callback):
             # The module as the user built it: stage-3 units chosen as the engine did, and as frozen
             # what the engine holds no gradient for (not what requires_grad says now: a backbone a
             # callback froze in on_fit_start, after the layout, still has its masters and gradients).
-            with engine.true_shapes(), _requiring_grad(trainer.lightning_module, engine.trained_params()):
+            with engine.true_shapes():
                 return estimate_memory(trainer.lightning_module, trainer.world_size, config, precision,
-                                       device_type="cuda" if strategy.root_device.type == "cuda" else "cpu")
+                                       device_type="cuda" if strategy.root_device.type == "cuda" else "cpu",
+                                       trained=engine.trained_params())
         except ValueError as error:
             log.warning(f"ZeroMemoryProfiler: no estimate ({error})")
             return None
@@ -278,19 +292,6 @@ class ZeroMemoryProfiler(Callback):
         torch.cuda.memory._record_memory_history(enabled=None)
         self._snapshot_open = False
         print(f"rank {trainer.global_rank}: CUDA memory snapshot written to {path} (open it at https://pytorch.org/memory_viz)")
-
-
-@contextlib.contextmanager
-def _requiring_grad(module: nn.Module, trained: set[nn.Parameter]) -> Iterator[None]:
-    """Within it, exactly the ``trained`` parameters of ``module`` require a gradient."""
-    before = {param: param.requires_grad for param in module.parameters()}
-    try:
-        for param in before:
-            param.requires_grad_(param in trained)
-        yield
-    finally:
-        for param, requires_grad in before.items():
-            param.requires_grad_(requires_grad)
 
 
 __all__ = ["ZeroMemoryProfiler"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from rich.table import Table
@@ -26,6 +27,29 @@ def write_csv(samples: Sequence[MemorySample], path: Path) -> Path:
         writer.writeheader()
         writer.writerows(rows)
     return path
+
+
+def read_csv(path: Path) -> list[MemorySample]:
+    """The samples :func:`write_csv` wrote to ``path``; ValueError if it is not such a file."""
+    names = [field.name for field in fields(MemorySample)]
+    with open(path, newline="") as file:
+        reader = csv.DictReader(file)
+        if reader.fieldnames != names:
+            raise ValueError(f"{str(path)!r} has the columns {reader.fieldnames}, not a memory profile's")
+        samples = []
+        for line, row in enumerate(reader, start=2):
+            try:
+                values = {name: (None if row[name] == "" else int(row[name])) for name in names if name != "phase"}
+            except ValueError as error:
+                raise ValueError(f"{str(path)!r}, line {line}: {error}") from None
+            samples.append(MemorySample(phase=row["phase"], **values))
+    return samples
+
+
+def continued(earlier: Sequence[MemorySample], samples: Sequence[MemorySample], first_step: int) -> list[MemorySample]:
+    """A resumed run's profile: the earlier run's samples before ``first_step`` (the step the run
+    resumed at), then this run's (which replace what the earlier run sampled from there on)."""
+    return [sample for sample in earlier if sample.step < first_step] + list(samples)
 
 
 def _value(sample: MemorySample, category: str) -> float:
