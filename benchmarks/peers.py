@@ -955,6 +955,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.warmup < 1:
         # The first step builds optimizer state and buffers lazily in every strategy.
         parser.error(f"--warmup {args.warmup} must be 1 or more")
+    if args.lora_base_dtype == "bf16" and not args.precision.startswith("bf16"):
+        parser.error(f"--lora-base-dtype bf16 needs a bf16 --precision (a bf16 weight meets {args.precision} inputs)")
     return args
 
 

@@ -83,6 +83,9 @@ class ModelKnobs:
     lora_rank: int = 0
     """Above 0: the GPT is frozen and trains a low-rank adapter of this rank beside every Linear
     (see :func:`add_low_rank_adapters`)."""
+    lora_base_dtype: str = "fp32"
+    """With ``lora_rank``: the dtype the frozen GPT is held in ("bf16": as a base loaded with
+    ``torch_dtype=torch.bfloat16``); the adapters stay fp32."""
 
 
 @dataclass(frozen=True)
@@ -256,26 +259,30 @@ def _build_model(spec: RunSpec) -> tuple[Any, str]:
         from model import GPT  # examples/gpt/model.py
     except Exception as error:  # noqa: BLE001 - any import failure means: use the stand-in
         fallback = _fallback_gpt_class()(**kwargs)
-        add_low_rank_adapters(fallback, knobs.lora_rank)
+        add_low_rank_adapters(fallback, knobs.lora_rank, knobs.lora_base_dtype)
         return fallback, f"benchmark's own nanoGPT (examples/gpt: {_one_line(error)})"
     # Without max_steps the demo asks the trainer for its step budget; give it so that the
     # learning-rate schedule is the same whatever the strategy.
     model = GPT(**kwargs, max_steps=spec.warmup + spec.steps)
-    add_low_rank_adapters(model, knobs.lora_rank)
+    add_low_rank_adapters(model, knobs.lora_rank, knobs.lora_base_dtype)
     return model, "examples/gpt/model.py"
 
 
-def add_low_rank_adapters(model: Any, rank: int) -> None:
+def add_low_rank_adapters(model: Any, rank: int, base_dtype: str = "fp32") -> None:
     """With ``rank`` > 0, freezes ``model`` and gives every ``nn.Linear`` a trained low-rank update
     (``x @ down.T @ up.T`` added to its output; ``up`` starts at zero, as in LoRA), registered on
     the Linear itself after its frozen weight, as peft's LoRA layers hold theirs: at ZeRO-3 each
-    unit then mixes frozen and trained parameters. Every strategy sees the same model."""
+    unit then mixes frozen and trained parameters. Every strategy sees the same model. The frozen
+    parameters are held in ``base_dtype`` ("fp32" or "bf16")."""
     if rank <= 0:
         return
     import torch
     from torch import nn
 
     model.requires_grad_(False)
+    if base_dtype == "bf16":
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     for linear in [module for module in model.modules() if isinstance(module, nn.Linear)]:
         down = torch.randn(rank, linear.in_features, generator=generator) / linear.in_features**0.5
@@ -288,7 +295,7 @@ def describe_model(num_params: int, source: str, knobs: ModelKnobs) -> str:
     """The table captions' words for the model that ran."""
     line = f"{num_params / 1e6:.2f} M parameters from {source}"
     if knobs.lora_rank:
-        line += f", frozen, with rank-{knobs.lora_rank} adapters beside every Linear"
+        line += f", frozen ({knobs.lora_base_dtype}), with rank-{knobs.lora_rank} adapters beside every Linear"
     return line
 
 
@@ -719,12 +726,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, batch_size: int) -> Non
     parser.add_argument("--batch-size", type=_positive_int, default=batch_size, help="samples per rank per step")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="above 0: freeze the GPT and train a low-rank adapter of this rank beside every Linear")
+    parser.add_argument("--lora-base-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="with --lora-rank: the dtype the frozen GPT is held in (bf16: as a base loaded in bf16)")
 
 
 def model_knobs(args: argparse.Namespace) -> ModelKnobs:
     """The :class:`ModelKnobs` of arguments declared by :func:`add_model_arguments`."""
     return ModelKnobs(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size, args.batch_size,
-                      max(0, args.lora_rank))
+                      max(0, args.lora_rank), args.lora_base_dtype)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -766,6 +775,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     if args.warmup < 0:
         parser.error(f"--warmup {args.warmup} must be 0 or more")
+    if args.lora_base_dtype == "bf16":
+        parser.error("--lora-base-dtype bf16 needs a bf16 precision; this benchmark runs 32-true (use peers.py)")
     return args
 
 

@@ -209,6 +209,22 @@ def test_frozen_parameters_are_held_not_trained() -> None:
     assert all(p.requires_grad for p in whole.parameters())
     with pytest.raises(ValueError, match=r"trained=...\) names parameters of a module; with a count \(1000\)"):
         estimate_memory(1000, 2, trained=set())
+    # [Note: masters of frozen pieces]: frozen weights built in bf16 keep no fp32 master at stage 3 under bf16.
+    in_bf16 = tiny_gpt(frozen=True)
+    for param in in_bf16.parameters():
+        if not param.requires_grad:
+            param.data = param.data.bfloat16()
+    for precision in ("bf16-mixed", "bf16-true"):
+        fp32_base, bf16_base = (estimate_memory(m, n, blocks, precision) for m in (module, in_bf16))
+        assert fp32_base.device.optimizer_states - bf16_base.device.optimizer_states == 4 * -(-held // n)
+        assert (bf16_base.device.params, bf16_base.device.grads) == (fp32_base.device.params, fp32_base.device.grads)
+    assert estimate_memory(in_bf16, n, blocks, "16-mixed") == estimate_memory(module, n, blocks, "16-mixed")
+    # At 32-true every parameter is held in its own dtype: an offloaded master (on the host, the
+    # shard on the GPU) is the trained pieces' alone, as if nothing were frozen.
+    offloaded = ZeroConfig(stage=3, unit_modules=("TransformerEncoderLayer",), param_persistence_threshold=0,
+                           offload_optimizer=CPUOffloadPolicy())
+    with_base, without = (estimate_memory(m, n, offloaded, "32-true") for m in (module, trained))
+    assert with_base.host.optimizer_states == without.host.optimizer_states > 0
     module.requires_grad_(False)
     assert any("no trainable parameters" in note for note in estimate_memory(module, n).notes)
 

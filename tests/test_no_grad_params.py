@@ -176,6 +176,31 @@ def _run(module_class: type, strategy: Any, accumulate: int) -> dict[str, Any]:
     return {"params": params_of(module), "optimizer": final.state, "losses": module.losses, "usage": usage}
 
 
+class StateAtEnd(Callback):
+    """The strategy's model_state_bytes() as training ends, before the module is handed back."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.state = trainer.strategy.model_state_bytes()
+
+
+def _lora_base_in(dtype: torch.dtype, offload: bool) -> dict[str, Any]:
+    """LoRAGPT under bf16-mixed at stage 3, its frozen weights holding bf16 values, held in ``dtype``."""
+    pl.seed_everything(0)
+    module = LoRAGPT()
+    frozen = [param for param in module.parameters() if not param.requires_grad]
+    for param in frozen:
+        param.data = param.data.to(torch.bfloat16).to(dtype)
+    offloaded = {"offload_optimizer": CPUOffloadPolicy()} if offload else {}
+    state = StateAtEnd()
+    fit(module, ZeroStrategy(config=ZeroConfig(stage=3, unit_modules=LORA_UNITS, **offloaded)), WORLD, steps=STEPS,
+        precision="bf16-mixed", callbacks=[state])
+    return {"params": params_of(module), "losses": module.losses, "state": state.state,
+            "frozen_pieces": sum(-(-param.numel() // WORLD) for param in frozen)}
+
+
 class HeadToggled(TinyGPT):
     """The head starts frozen (``frozen_head``), or trainable; ``optimize_frozen`` keeps frozen
     parameters in the optimizer (torch skips them) instead of leaving them out."""
@@ -265,6 +290,9 @@ def _cases() -> dict[str, Any]:
     for name in ("zero2", "zero3", "zero3_offload"):
         config = ZeroConfig(**{**STRATEGIES[name], "unit_modules": LORA_UNITS} if name != "zero2" else STRATEGIES[name])
         out[f"lora_{name}"] = _run(LoRAGPT, ZeroStrategy(config=config), 2)
+    for offload in (False, True):
+        for dtype in (torch.bfloat16, torch.float32):
+            out[f"lora_base_{dtype}_{offload}"] = _lora_base_in(dtype, offload)
     out["zeroed_ddp"] = _run(ZeroedNotNone, "ddp_find_unused_parameters_true", 1)
     for name in ("zero2", "zero3", "zero2_offload"):
         out[f"zeroed_{name}"] = _run(ZeroedNotNone, ZeroStrategy(config=ZeroConfig(**STRATEGIES[name])), 1)
@@ -391,6 +419,22 @@ def test_adapters_beside_frozen_weights_train_like_ddp(results: list[dict[str, A
     zero, ddp = results[0][f"lora_{strategy}"]["optimizer"], results[0]["lora_ddp"]["optimizer"]
     _assert_optimizer_states_match(zero, ddp)
     assert len(ddp["state"]) == 2 + 3 * 3  # the norm's two and each adapter's three: nothing frozen
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["zero3", "zero3_offload"])
+def test_a_base_held_in_bf16_keeps_no_fp32_master_and_trains_the_same(results: list[dict[str, Any]],
+                                                                       offload: bool) -> None:
+    """[Note: masters of frozen pieces] in zero/stage3/unit.py: frozen weights held in the shards'
+    bf16 keep no fp32 master (4 bytes per element and rank less), and training and the module
+    handed back are exactly those of the same values held in fp32 (whose masters are kept)."""
+    for per_rank in results:
+        exact, kept = per_rank[f"lora_base_{torch.bfloat16}_{offload}"], per_rank[f"lora_base_{torch.float32}_{offload}"]
+        assert exact["losses"] == kept["losses"] and len(exact["losses"]) == STEPS
+        assert exact["params"].keys() == kept["params"].keys()
+        assert all(torch.equal(exact["params"][name], value) for name, value in kept["params"].items())
+        # this rank's (padded) pieces of the frozen weights, at 4 bytes each
+        assert kept["state"].optimizer_states - exact["state"].optimizer_states == 4 * exact["frozen_pieces"]
+        assert (exact["state"].params, exact["state"].grads) == (kept["state"].params, kept["state"].grads)
 
 
 def test_a_parameter_unfrozen_in_configure_optimizers_trains_or_is_named(results: list[dict[str, Any]]) -> None:

@@ -1255,6 +1255,80 @@ def test_a_mixed_unit_reduces_and_holds_gradients_of_its_trained_pieces_only(wor
             assert torch.allclose(master, param.detach(), atol=1e-6), name
 
 
+def _lora_engine(base_dtype: torch.dtype, offload: bool) -> tuple[nn.Module, Zero3Engine, Zero3Optimizer]:
+    """Two adapted layers whose frozen base weights hold bf16 values, built in ``base_dtype``,
+    sharded at stage 3 in bf16 (bf16-mixed) on one rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Adapted(9, 9), nn.ReLU(), Adapted(9, 9))
+    for layer in (model[0], model[2]):
+        for param in layer.base.parameters():
+            param.data = param.data.to(torch.bfloat16).to(base_dtype)
+    offloaded = {"offload_optimizer": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+    config = ZeroConfig(stage=3, unit_modules=("Adapted",), param_persistence_threshold=0, prefetch_units=0, **offloaded)
+    engine = Zero3Engine(model, FakeCollectives(world_size=1), config, param_dtype=torch.bfloat16,  # type: ignore[arg-type]
+                         device=CPU)
+    engine.shard()
+    engine.install_hooks()
+    return model, engine, Zero3Optimizer(torch.optim.AdamW(model.parameters(), lr=0.1), engine, config)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_frozen_pieces_the_shard_holds_exactly_have_no_master(offload: bool, tmp_path: Any) -> None:
+    """[Note: masters of frozen pieces]: a base built in bf16 and sharded in bf16 keeps no fp32
+    master (the unit's master spans its trained pieces only); training is bit-identical to the same
+    values built in fp32 (whose masters are kept), and checkpoints move between the two both ways."""
+    from lightning_zero.checkpoint import load_checkpoint, save_checkpoint
+
+    runs = {dtype: _lora_engine(dtype, offload) for dtype in (torch.bfloat16, torch.float32)}
+    for dtype, (model, engine, _) in runs.items():
+        units = [unit for unit in engine.units if unit.trainable_count]
+        assert len(units) == 2
+        for unit in units:
+            exact = dtype == torch.bfloat16
+            assert unit.master.numel() == (unit.trained_numel if exact else unit.shard_numel)
+            assert unit.master.untyped_storage().nbytes() == 4 * unit.master.numel()
+            for sp in unit.params:
+                assert sp.has_master is (sp.trained or not exact)
+                assert (sp.master.data_ptr() == sp.shard.data_ptr()) is not sp.has_master
+    for _ in range(3):
+        batch = torch.randn(5, 9, dtype=torch.bfloat16)
+        for model, engine, optimizer in runs.values():
+            model(batch).float().pow(2).sum().backward()
+            engine.end_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    exact, kept = (runs[dtype][1] for dtype in (torch.bfloat16, torch.float32))
+    for mine, theirs in zip(exact.units, kept.units):
+        assert torch.equal(mine.shard, theirs.shard)
+        assert torch.equal(mine.master_values(), theirs.master_values())  # frozen pieces widened exactly
+    pieces = {dtype: {piece.name: piece.master for piece in engine.param_pieces()} for dtype, (_, engine, _) in runs.items()}
+    assert pieces[torch.bfloat16].keys() == pieces[torch.float32].keys()
+    for name, value in pieces[torch.bfloat16].items():
+        assert value.dtype == (torch.bfloat16 if "base" in name else torch.float32), name
+        assert torch.equal(value.float(), pieces[torch.float32][name]), name
+    # Each run's checkpoint loads into a fresh run of the other kind, exactly (DCP needs a group: one rank's).
+    if dist.is_initialized():
+        pytest.skip("needs no process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for saved, loaded in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+            model, engine, optimizer = runs[saved]
+            save_checkpoint(tmp_path / f"from_{saved}", model, [optimizer], engine)
+            fresh_model, fresh_engine, fresh_optimizer = _lora_engine(loaded, offload)
+            load_checkpoint(tmp_path / f"from_{saved}", fresh_model, [fresh_optimizer], fresh_engine)
+            for mine, theirs in zip(fresh_engine.units, engine.units):
+                assert torch.equal(mine.shard, theirs.shard)
+                assert torch.equal(mine.master_values(), theirs.master_values())
+    finally:
+        dist.destroy_process_group()
+    # Handed back whole: fp32 values, the frozen ones exactly the bf16 values they were built with.
+    for model, engine, _ in runs.values():
+        engine.gather_to_cpu(from_master=True)
+    handed = [dict(model.named_parameters()) for model, _, _ in runs.values()]
+    assert all(torch.equal(handed[0][name], handed[1][name]) and handed[0][name].dtype == torch.float32
+               for name in handed[1])
+
+
 class TwoLinears(nn.Module):
     def __init__(self) -> None:
         super().__init__()

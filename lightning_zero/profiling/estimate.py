@@ -34,8 +34,9 @@ stage      parameters          gradients             optimizer state (master + K
 Frozen parameters (``requires_grad=False``, Ψf elements) have no gradient and no optimizer state,
 but the engine still holds them: at stages 1/2 whole on every rank (P Ψf, outside the flat buffers),
 at stage 3 inside their unit like any other parameter (P Ψf/N for the shard, and 4 Ψf/N for the
-unit's fp32 master where it is not the shard), with no master gradient and no part in the unit's
-reduction (see [Note: trained pieces first] in zero/stage3/unit.py).
+unit's fp32 master where it is not the shard, unless every frozen parameter of the unit was built
+in the shard's dtype: [Note: masters of frozen pieces]), with no master gradient and no part in
+the unit's reduction (see [Note: trained pieces first] in zero/stage3/unit.py).
 
 These are the tensors :func:`~lightning_zero.zero.accounting.model_state_bytes` counts for
 parameters, gradients and optimizer state (the tests compare the two on 2 and 4 ranks); padding
@@ -55,8 +56,12 @@ import torch
 from torch import nn
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.zero.layout import held_dtype
 
 PARAM_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
+# The dtype stage 3 holds parameter shards in (None: each parameter's own).
+PARAM_DTYPES = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16,
+                "16-true": torch.float16}
 # The short flags a Trainer takes for the same modes (Lightning maps them alike).
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -143,8 +148,10 @@ def estimate_memory(
         notes.append("no trainable parameters: nothing to step (only the frozen ones are held)")
     device, host = _Bytes(), _Bytes()
     offload_ratio = config.offload_optimizer.ratio if config.offload_optimizer is not None else 0.0
-    # Stage 3's masters span the frozen parameters too; master gradients are the trained ones' only.
-    mastered = numel + frozen if config.stage == 3 else numel
+    # Stage 3 shards the frozen parameters too, and keeps masters of those its shard would round
+    # (see [Note: masters of frozen pieces]); master gradients are the trained ones' only.
+    held_numel = numel + frozen if config.stage == 3 else numel
+    mastered = numel + _frozen_with_masters(model, config, precision, is_trained, frozen) if config.stage == 3 else numel
     shard, mastered_shard = math.ceil(numel / n), math.ceil(mastered / n)
     on_host, mastered_on_host = shard * offload_ratio, mastered_shard * offload_ratio
     on_device, mastered_on_device = shard - on_host, mastered_shard - mastered_on_host
@@ -176,7 +183,7 @@ def estimate_memory(
     else:
         params_on_host = config.offload_params is not None
         persistent = _persistent_numel(model, config)  # whole on every rank, never offloaded
-        (host if params_on_host else device).params += p_bytes * math.ceil((mastered - persistent) / n)
+        (host if params_on_host else device).params += p_bytes * math.ceil((held_numel - persistent) / n)
         device.params += p_bytes * persistent
         # The parameter shard is the master when it is fp32 and on the master's device.
         shard_on_host = params_on_host and device_type != "cpu"
@@ -186,7 +193,7 @@ def estimate_memory(
                 placed.optimizer_states += MASTER_BYTES * part
         largest = _largest_unit_numels(model, config, is_trained)
         if largest is None:
-            unit = min(mastered, config.min_unit_numel)
+            unit = min(held_numel, config.min_unit_numel)
             trained_unit = min(numel, unit)
             notes.append(f"stage-3 unit size not known from a parameter count: assumed {unit:,} elements"
                          " (ZeroConfig.min_unit_numel)")
@@ -195,7 +202,7 @@ def estimate_memory(
         prefetch = config.prefetch_units if config.prefetch_bytes is None else max(
             0, config.prefetch_bytes // max(1, p_bytes * unit))
         # The unit being computed and those prefetched, but never more than the whole model.
-        gathered = min(mastered - persistent, unit * (1 + prefetch))
+        gathered = min(held_numel - persistent, unit * (1 + prefetch))
         # A unit's trained gradients before they are reduced; on the CPU two of them stay for reuse
         # (one accumulating, one in flight: see [Note: reused gradient buffers] in zero/reduce.py).
         reducing = min(numel, 2 * trained_unit) if device_type == "cpu" else trained_unit
@@ -233,6 +240,36 @@ def _persistent_numel(model: nn.Module | int, config: ZeroConfig) -> int:
     if not isinstance(model, nn.Module) or not config.param_persistence_threshold:
         return 0
     return sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.numel() < config.param_persistence_threshold)
+
+
+def _frozen_with_masters(model: nn.Module | int, config: ZeroConfig, precision: str,
+                         is_trained: Callable[[nn.Parameter], bool], frozen: int) -> int:
+    """Stage 3: the frozen elements that keep an fp32 master, those of units where some frozen
+    parameter is built in another dtype than the shard's (see [Note: masters of frozen pieces] in
+    zero/stage3/unit.py). At 32-true each parameter is held in its own dtype, so none; of a
+    parameter count under bf16/fp16 (built in fp32, presumably), all of them."""
+    held = PARAM_DTYPES[precision]
+    if held is None:
+        return 0
+    if not isinstance(model, nn.Module):
+        return frozen
+    from lightning_zero.zero.stage3 import partition
+
+    units = partition.choose_unit_modules(model, config.unit_modules, config.min_unit_numel)
+    frozen_of: dict[tuple[str | None, torch.dtype], int] = {}
+    inexact: set[tuple[str | None, torch.dtype]] = set()
+    seen: set[nn.Parameter] = set()
+    for name, param in model.named_parameters():
+        if param in seen or is_trained(param):
+            continue
+        seen.add(param)
+        persistent = param.numel() < config.param_persistence_threshold
+        dtype = held_dtype(param.dtype, held)
+        key = (None if persistent else partition.innermost_prefix(name.rpartition(".")[0], units), dtype)
+        frozen_of[key] = frozen_of.get(key, 0) + param.numel()
+        if param.dtype != dtype:
+            inexact.add(key)
+    return sum(numel for key, numel in frozen_of.items() if key in inexact)
 
 
 def _trained_test(trained: Collection[nn.Parameter] | None) -> Callable[[nn.Parameter], bool]:

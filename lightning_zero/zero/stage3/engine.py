@@ -375,7 +375,7 @@ class Zero3Engine(Zero3Hooks):
                 padded = sp.padded(value, unit.master_dtype, unit.shard.device)
                 piece = sp.own_piece(padded)
                 sp.shard.copy_(piece)
-                if unit.master is not unit.shard:
+                if unit.master is not unit.shard and sp.has_master:
                     sp.master.copy_(piece)
                 if unit.state is UnitState.GATHERED:
                     sp.full_range.slice(unit.full).copy_(padded)

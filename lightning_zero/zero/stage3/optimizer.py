@@ -154,7 +154,8 @@ class Zero3Layout:
         grads: list[Tensor | None] = [unit.master_grad for unit in self.units]
         grads += [unit.grad_data for unit in self.units]
         params = [unit.shard for unit in self.engine.units]
-        # Every unit's master, a frozen unit's too: it holds the frozen weights at full precision.
+        # Every unit's master, a frozen unit's too: it holds the frozen weights at full precision
+        # (where the shard does not hold them exactly: see [Note: masters of frozen pieces]).
         return params, grads, [unit.master for unit in self.engine.units if unit.master is not unit.shard]
 
     # ------------------------------------------------------------------ gradients

@@ -24,6 +24,15 @@ their zeros every step, and a unit of frozen parameters only (T = 0) is never re
 buffer keeps registration order; checkpoints record every piece's place, so they do not depend on
 the order within a shard.
 
+[Note: masters of frozen pieces]
+A frozen piece is never stepped: its master only keeps its value at the precision it was built
+in, which the low-precision shard would round (an fp32 base weight under bf16-mixed). Where every
+frozen parameter of a unit was built in the shard's own dtype (a base model loaded in bf16 for a
+LoRA fine-tune), the shard already holds those values exactly, and the unit's master spans the
+trained pieces only [T]: 4 bytes per frozen element and rank less. The frozen pieces are then read
+from the shard wherever a master would be (checkpoints, ``gather_master_values``, hand-back),
+widened exactly. The decision depends on dtypes only, so every rank makes the same one.
+
 [Note: a stage-3 parameter outside its gather]
 While its unit is gathered a parameter has its true shape and value. Otherwise it is this rank's
 piece of it: a 1-d tensor of ``own_numel`` elements (the flattened parameter's elements
@@ -78,6 +87,8 @@ class ShardedParam:
     shard_range: Range  # "shard" index space: this rank's piece inside the unit's shard
     unit: ShardedUnit
     trained: bool  # requires_grad when the engine was built: its piece lies in the unit's first T elements
+    # Whether its piece has a master apart from the shard's (see [Note: masters of frozen pieces]).
+    has_master: bool = True
     # param._version when the engine last knew the parameter's contents: a larger one means user
     # code wrote the parameter in place (see [Note: a stage-3 parameter outside its gather]).
     seen_version: int = 0
@@ -110,7 +121,9 @@ class ShardedParam:
 
     @property
     def master(self) -> Tensor:
-        return self.shard_range.slice(self.unit.master)
+        """Its master piece; for a frozen piece the shard holds exactly, the shard's piece itself
+        (see [Note: masters of frozen pieces])."""
+        return self.shard_range.slice(self.unit.master) if self.has_master else self.shard
 
     @property
     def master_grad(self) -> Tensor | None:
@@ -204,9 +217,15 @@ class ShardedUnit:
         # fp32 masters, or the parameters' own dtype where it is wider (float64 keeps its precision)
         self.master_dtype = master_dtype(param_dtype)
         same = param_dtype == self.master_dtype and master_device == shard_device
-        self.master = self.shard if same else _zeros(shard_offset, self.master_dtype, master_device, pin)
-        # The trained pieces' master gradient [T] (see [Note: trained pieces first]). The master
-        # spans the frozen pieces too: checkpoints read the frozen weights from it, at full precision.
+        # The master spans the frozen pieces too, unless the shard holds them exactly (see [Note:
+        # masters of frozen pieces]): checkpoints read the frozen weights from it, at full precision.
+        frozen_exact = all(param.dtype == param_dtype for _, param in named_params if not param.requires_grad)
+        self.master_numel = shard_offset if same or not frozen_exact else self.trained_numel
+        if self.master_numel < shard_offset:
+            for sp in self.params:
+                sp.has_master = sp.trained
+        self.master = self.shard if same else _zeros(self.master_numel, self.master_dtype, master_device, pin)
+        # The trained pieces' master gradient [T] (see [Note: trained pieces first]).
         self.master_grad = _zeros(self.trained_numel, self.master_dtype, master_device, pin)
         # Offloaded, low-precision: the CPU step writes the rounded pieces here (the shard itself
         # when it lives on the CPU too), and they are copied to the device shard from here.
@@ -243,7 +262,7 @@ class ShardedUnit:
                 padded = sp.padded(sp.param.detach(), self.master_dtype, self.device)
                 piece = sp.own_piece(padded)
                 sp.shard.copy_(piece)
-                if self.master is not self.shard:
+                if self.master is not self.shard and sp.has_master:
                     sp.master.copy_(piece)
                 sp.full_range.slice(self.full).copy_(padded)
             self._point_params_at_full()
@@ -253,12 +272,22 @@ class ShardedUnit:
     def gather_master_values(self, collectives: Collectives | CountingCollectives) -> dict[ShardedParam, Tensor]:
         """Every parameter's whole fp32 value from the master pieces (a collective)."""
         out = torch.empty(self.world_size * self.shard_numel, dtype=self.master_dtype, device=self.device)
-        collectives.all_gather(out, self.master.to(self.device)).wait()
+        collectives.all_gather(out, self.master_values().to(self.device)).wait()
         by_rank = out.view(self.world_size, self.shard_numel)
         return {
             sp: by_rank[:, sp.shard_range.start : sp.shard_range.end].reshape(-1)[: sp.numel].view(sp.shape)
             for sp in self.params
         }
+
+    def master_values(self) -> Tensor:
+        """The whole shard's values at master precision [S]: the master, and past its end the
+        frozen pieces the shard holds exactly (see [Note: masters of frozen pieces])."""
+        if self.master_numel == self.shard_numel:
+            return self.master
+        values = torch.empty(self.shard_numel, dtype=self.master_dtype, device=self.master.device)
+        values[: self.master_numel].copy_(self.master)
+        values[self.master_numel :].copy_(self.shard[self.master_numel :])
+        return values
 
     @torch.no_grad()
     def write_back_changed(self) -> bool:
@@ -271,7 +300,7 @@ class ShardedUnit:
             if not torch.equal(piece, sp.shard.to(piece.device)):
                 changed = True
                 sp.shard.copy_(piece)
-                if self.master is not self.shard:
+                if self.master is not self.shard and sp.has_master:
                     sp.master.copy_(piece)
         return changed
 
@@ -308,7 +337,7 @@ class ShardedUnit:
             if self.state is UnitState.GATHERED:
                 piece = sp.full_range.slice(self.full).view(self.world_size, sp.shard_numel)[self.rank]
                 sp.shard.copy_(piece)
-            if self.master is not self.shard:  # the shard holds what was written (the piece is a view of it)
+            if self.master is not self.shard and sp.has_master:  # the shard holds what was written
                 take_written(sp.master, sp.shard)
             sp.seen_version = sp.param._version
 
@@ -324,7 +353,7 @@ class ShardedUnit:
             return self.write_back_changed()  # the whole buffer is what forward and user code see
         if self.master is self.shard:
             return False  # the shard is the master: nothing to keep in step
-        return take_written(self.master, self.shard)
+        return take_written(self.master, self.shard[: self.master_numel])
 
     # ------------------------------------------------------------------ gather / free
     def start_gather(self, collectives: Collectives | CountingCollectives) -> None:
@@ -404,5 +433,6 @@ class ShardedUnit:
         if source is self.shard:
             return
         for sp in params:
-            sp.shard.copy_(sp.shard_range.slice(source))
+            if sp.has_master:  # the others are their own master
+                sp.shard.copy_(sp.shard_range.slice(source))
 
