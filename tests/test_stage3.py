@@ -82,6 +82,8 @@ def _parity_cases(world: int) -> dict[str, Any]:
         out[f"ddp_{name}"] = _train(TiedGPT(), "ddp", world, **kwargs)
         pl.seed_everything(0)
         out[f"zero3_{name}"] = _train(TiedGPT(), zero3(), world, **kwargs)
+    if world != 2:
+        return out  # the variants below depend on the schedule, not on how many ranks share a unit
     pl.seed_everything(0)
     out["zero3_every_micro_step"] = _train(TiedGPT(), zero3(reduce_every_micro_step=True), world,
                                            accumulate_grad_batches=4, gradient_clip_val=0.5)
@@ -244,7 +246,7 @@ def test_matches_ddp_with_tied_embeddings(world: int, case: str) -> None:
         assert max_abs_diff(zero["params"], ddp["params"]) <= TOLERANCE
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [2])
 @pytest.mark.parametrize(
     ("case", "reference"),
     [
@@ -316,7 +318,7 @@ def test_model_built_on_meta_is_never_whole(world: int) -> None:
     assert len(sums) == 1
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [2])
 def test_bf16_mixed_tracks_fp32_ddp(world: int) -> None:
     for per_rank in outcome(world):
         zero, ddp = per_rank["parity"]["zero3_bf16"], per_rank["parity"]["ddp_clip"]
