@@ -421,7 +421,7 @@ def test_fabric_takes_a_deepspeed_config_and_names_what_it_refuses() -> None:
 
     ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
     strategy = ZeroFabricStrategy(deepspeed_config=ds)
-    assert strategy.config == ZeroConfig(stage=3, offload_optimizer=CPUOffloadPolicy(pin_memory=False))
+    assert strategy.config == ZeroConfig(stage=3, offload_optimizer=CPUOffloadPolicy(pin_memory=True))
     assert isinstance(strategy.precision, ZeroFabricPrecision) and strategy.precision.precision == "bf16-mixed"
     with pytest.raises(ValueError, match=r"ZeroFabricStrategy\(deepspeed_config=\.\.\., precision=\.\.\.\).*Drop precision,"):
         ZeroFabricStrategy(deepspeed_config=ds, precision=ZeroFabricPrecision("bf16-mixed"))
