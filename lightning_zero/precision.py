@@ -201,13 +201,14 @@ def _as_zero_optimizer(optimizer: Any, what: str) -> ShardedOptimizer:
     return optimizer
 
 
-def cast_norm_statistics(module: Module, dtype: torch.dtype) -> None:
-    """Casts the running statistics of every affine batch/instance norm in ``module`` to ``dtype``."""
+def cast_norm_statistics(module: Module, dtype: torch.dtype | None) -> None:
+    """Casts the running statistics of every affine batch/instance norm in ``module`` to ``dtype``
+    (None: to the dtype of the norm's weight, as after handing a module back)."""
     for submodule in module.modules():
         if isinstance(submodule, _NormBase) and submodule.weight is not None:
             for name, buffer in submodule.named_buffers(recurse=False):
                 if buffer is not None and buffer.is_floating_point():
-                    setattr(submodule, name, buffer.to(dtype))
+                    setattr(submodule, name, buffer.to(dtype if dtype is not None else submodule.weight.dtype))
 
 
 class FrozenRoundingWarning(UserWarning):

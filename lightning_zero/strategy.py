@@ -1260,28 +1260,29 @@ class ZeroStrategy(ParallelStrategy):
         self._unsync_generation()
         self._unsync_generation = _do_nothing
         precision = self.precision_plugin
-        restore_fp32 = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
+        from_masters = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
         if self._interrupted() and not self._failed_on_every_rank:
             # After an error (perhaps on one rank only) no collective may run: it could hang.
             module = self.lightning_module
             if self._engine is not None:
                 self._engine.remove_hooks()
                 if self.config.stage == 3 and module is not None and not _has_meta_tensors(module):
-                    _leave_in_pieces(module, self._engine, restore_fp32)
+                    _leave_in_pieces(module, self._engine, from_masters)
                 self._engine = None
-            restore_fp32 = False
+            from_masters = False
             if module is not None and _has_meta_tensors(module):
                 self._teardown_without_moving_the_module()
                 return
         if self._engine is not None:
             # Lightning hands the module back on the CPU; stage 3 gathers it unit by unit. After
-            # -mixed training it is handed back in fp32, from the masters, as Lightning's AMP does.
+            # -mixed training each parameter is handed back from its master in the dtype it was
+            # built in (fp32 for a model built in fp32), as Lightning's AMP leaves them.
             # The engine stays: after fit, a checkpoint save still reads its masters (see
             # Phase.HANDED_BACK), and the next setup builds a new one.
             self._engine.remove_hooks()
-            self._engine.gather_to_cpu(from_master=restore_fp32)
-        if restore_fp32 and self.lightning_module is not None:
-            cast_norm_statistics(self.lightning_module, torch.float32)
+            self._engine.gather_to_cpu(from_master=from_masters)
+        if from_masters and self.lightning_module is not None:
+            cast_norm_statistics(self.lightning_module, None)  # back in the dtype of their weights
         module = self.lightning_module
         if (self._layer_sync is not None and module is not None and module._trainer is not None
                 and module._trainer.state.fn == TrainerFn.FITTING):
@@ -1376,7 +1377,7 @@ def gather_after_error(module: Module) -> bool:
     engine, from_master = entry
     engine.gather_to_cpu(from_master=from_master)
     if from_master:
-        cast_norm_statistics(module, torch.float32)
+        cast_norm_statistics(module, None)
     return True
 
 

@@ -198,7 +198,20 @@ def _lora_base_in(dtype: torch.dtype, offload: bool) -> dict[str, Any]:
     fit(module, ZeroStrategy(config=ZeroConfig(stage=3, unit_modules=LORA_UNITS, **offloaded)), WORLD, steps=STEPS,
         precision="bf16-mixed", callbacks=[state])
     return {"params": params_of(module), "losses": module.losses, "state": state.state,
-            "frozen_pieces": sum(-(-param.numel() // WORLD) for param in frozen)}
+            "frozen_pieces": sum(-(-param.numel() // WORLD) for param in frozen),
+            "frozen": {name for name, param in module.named_parameters() if not param.requires_grad}}
+
+
+def _built_dtypes_kept(stage: int) -> dict[str, Any]:
+    """LoRAGPT built in bf16 but for its adapters (the trained norm too), under bf16-mixed."""
+    pl.seed_everything(0)
+    module = LoRAGPT()
+    for name, param in module.named_parameters():
+        if "base" in name or not param.requires_grad or name.startswith("norm"):
+            param.data = param.data.to(torch.bfloat16)
+    built = {name: param.dtype for name, param in module.named_parameters()}
+    fit(module, ZeroStrategy(config=ZeroConfig(stage=stage)), WORLD, steps=2, precision="bf16-mixed")
+    return {"built": built, "handed_back": {name: param.dtype for name, param in module.named_parameters()}}
 
 
 class HeadToggled(TinyGPT):
@@ -293,6 +306,7 @@ def _cases() -> dict[str, Any]:
     for offload in (False, True):
         for dtype in (torch.bfloat16, torch.float32):
             out[f"lora_base_{dtype}_{offload}"] = _lora_base_in(dtype, offload)
+    out["built_dtypes_zero2"] = _built_dtypes_kept(2)
     out["zeroed_ddp"] = _run(ZeroedNotNone, "ddp_find_unused_parameters_true", 1)
     for name in ("zero2", "zero3", "zero2_offload"):
         out[f"zeroed_{name}"] = _run(ZeroedNotNone, ZeroStrategy(config=ZeroConfig(**STRATEGIES[name])), 1)
@@ -431,10 +445,22 @@ def test_a_base_held_in_bf16_keeps_no_fp32_master_and_trains_the_same(results: l
         exact, kept = per_rank[f"lora_base_{torch.bfloat16}_{offload}"], per_rank[f"lora_base_{torch.float32}_{offload}"]
         assert exact["losses"] == kept["losses"] and len(exact["losses"]) == STEPS
         assert exact["params"].keys() == kept["params"].keys()
-        assert all(torch.equal(exact["params"][name], value) for name, value in kept["params"].items())
+        assert all(torch.equal(exact["params"][name].float(), value) for name, value in kept["params"].items())
+        # handed back in the dtypes they were built in, as under DDP: the base in bf16, the adapters in fp32
+        assert {str(value.dtype) for value in kept["params"].values()} == {"torch.float32"}
+        assert {name for name, value in exact["params"].items() if value.dtype == torch.bfloat16} == exact["frozen"]
         # this rank's (padded) pieces of the frozen weights, at 4 bytes each
         assert kept["state"].optimizer_states - exact["state"].optimizer_states == 4 * exact["frozen_pieces"]
         assert (exact["state"].params, exact["state"].grads) == (kept["state"].params, kept["state"].grads)
+
+
+def test_a_module_is_handed_back_in_the_dtypes_it_was_built_in(results: list[dict[str, Any]]) -> None:
+    """After bf16-mixed at stage 2: the trained norm built in bf16 comes back in bf16 (from its fp32
+    master), the adapters in fp32, as DDP leaves them (stage 3: the test above)."""
+    for per_rank in results:
+        case = per_rank["built_dtypes_zero2"]
+        assert case["handed_back"] == case["built"]
+        assert {case["built"]["norm.weight"], case["built"]["mlp.0.down"]} == {torch.bfloat16, torch.float32}
 
 
 def test_a_parameter_unfrozen_in_configure_optimizers_trains_or_is_named(results: list[dict[str, Any]]) -> None:

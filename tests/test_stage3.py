@@ -325,7 +325,7 @@ def test_bf16_mixed_tracks_fp32_ddp(world: int) -> None:
         # Losses near 3.5 with lr 1e-2 on random tokens: bf16 rounding drifts a few hundredths
         # over 20 steps (measured max 0.043); tests/test_precision.py bounds it tightly on the demo.
         assert max(abs(a - b) for a, b in zip(zero["losses"], ddp["losses"])) <= 0.1
-        # trained in bf16, handed back in fp32 from the masters (as Lightning's bf16-mixed does)
+        # trained in bf16, built in fp32: handed back in fp32 from the masters (as Lightning's bf16-mixed leaves it)
         assert {p.dtype for p in zero["params"].values()} == {torch.float32}
 
 

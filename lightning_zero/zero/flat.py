@@ -318,6 +318,7 @@ class FlatLayout:
         self.frozen_at_setup: dict[nn.Parameter, str] = {}
         self.on_grad: Callable[[int], None] = lambda index: None  # the optimizer's "got a gradient"
         self._names = names
+        self.built_dtypes: dict[nn.Parameter, torch.dtype] = {}  # what each was built in, before it is held
         self._init_buffers(optimizer, names, param_dtype)
         self.schedule = ReduceSchedule([bucket.reduction for bucket in self.buckets], collectives)
         self.schedule.poll_after_launch = config.offload_optimizer is not None
@@ -364,6 +365,7 @@ class FlatLayout:
                     self.frozen_at_setup[param] = names[param]
                     continue  # torch.optim skips parameters without gradients; so does ZeRO.
                 by_dtype.setdefault(param.dtype, []).append((index, names[param], param))
+                self.built_dtypes[param] = param.dtype
                 index += 1
             fused_device = adam_group_is_fusable(optimizer, group) and device_adam_backend(self.config, device) is not None
             group_buffers = [
@@ -776,11 +778,13 @@ class FlatEngine:
 
     @torch.no_grad()
     def gather_to_cpu(self, from_master: bool) -> None:
-        """Hands the module back: with ``from_master``, each parameter takes its fp32 master value
-        (a bf16/fp16-mixed model goes back to fp32); Lightning then moves it to the CPU."""
+        """Hands the module back: with ``from_master``, each trained parameter takes its master
+        value in the dtype it was built in (a bf16/fp16-mixed model built in fp32 goes back to
+        fp32, a parameter built in bf16 stays bf16, as under DDP); Lightning then moves it to the CPU."""
         if from_master:
+            built = {param: dtype for layout in self.layouts for param, dtype in layout.built_dtypes.items()}
             for param, value in self.master_values(keep=True).items():
-                param.data = value.clone()
+                param.data = value.to(built.get(param, value.dtype), copy=True)
 
     def check_parameters_unchanged(self) -> None:
         """Stages 1/2 find replaced parameters through the optimizer's param groups."""

@@ -226,12 +226,14 @@ class Zero3Engine(Zero3Hooks):
     @torch.no_grad()
     def gather_to_cpu(self, from_master: bool) -> None:
         """Gives every parameter its own whole CPU tensor, unit by unit (used at teardown); with
-        ``from_master``, the fp32 master values (a bf16/fp16-mixed model goes back to fp32)."""
+        ``from_master``, the master values in the dtype each was built in (a bf16/fp16-mixed model
+        built in fp32 goes back to fp32, a parameter built in bf16 stays bf16, as under DDP)."""
         self._enter("gather_to_cpu")
         self.absorb_writes(through_data=True)
         for unit in self.units:
             if from_master and unit.master is not unit.shard:
-                values = {sp: value.to("cpu", copy=True) for sp, value in unit.gather_master_values(self.collectives).items()}
+                values = {sp: value.to("cpu", dtype=sp.built_dtype, copy=True)
+                          for sp, value in unit.gather_master_values(self.collectives).items()}
             else:
                 self.acquire(unit)
                 values = {sp: sp.param.detach().to("cpu", copy=True) for sp in unit.params}

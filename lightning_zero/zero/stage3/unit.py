@@ -89,6 +89,7 @@ class ShardedParam:
     trained: bool  # requires_grad when the engine was built: its piece lies in the unit's first T elements
     # Whether its piece has a master apart from the shard's (see [Note: masters of frozen pieces]).
     has_master: bool = True
+    built_dtype: torch.dtype = torch.float32  # the dtype it was built in (handed back in it)
     # param._version when the engine last knew the parameter's contents: a larger one means user
     # code wrote the parameter in place (see [Note: a stage-3 parameter outside its gather]).
     seen_version: int = 0
@@ -204,6 +205,7 @@ class ShardedUnit:
                     param, param_name, first_index + position, param.shape, param.numel(), shard_numel,
                     Range(full_offset, full_offset + shard_numel * world_size),
                     Range(shard_starts[position], shard_starts[position] + shard_numel), self, param.requires_grad,
+                    built_dtype=param.dtype,
                 )
             )
             full_offset += shard_numel * world_size
