@@ -102,6 +102,8 @@ from lightning_zero.parallel.tensor import TensorParallelParams, materialize_ten
 from lightning_zero.loss_scaler import LossScaleConfig
 from lightning_zero.offload import CPUOffloadPolicy
 from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision, cast_norm_statistics, warn_frozen_rounding
+from lightning_zero.autotuning.space import size_label
+from lightning_zero.profiling.measure import host_memory_available
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import (
@@ -1273,6 +1275,7 @@ class ZeroStrategy(ParallelStrategy):
             if module is not None and _has_meta_tensors(module):
                 self._teardown_without_moving_the_module()
                 return
+        handed_back = True
         if self._engine is not None:
             # Lightning hands the module back on the CPU; stage 3 gathers it unit by unit. After
             # -mixed training each parameter is handed back from its master in the dtype it was
@@ -1280,8 +1283,14 @@ class ZeroStrategy(ParallelStrategy):
             # The engine stays: after fit, a checkpoint save still reads its masters (see
             # Phase.HANDED_BACK), and the next setup builds a new one.
             self._engine.remove_hooks()
-            self._engine.gather_to_cpu(from_master=from_masters)
-        if from_masters and self.lightning_module is not None:
+            short = self._hand_back_shortfall(from_masters)
+            if short is None:
+                self._engine.gather_to_cpu(from_master=from_masters)
+            else:
+                handed_back = False
+                assert self.lightning_module is not None
+                _leave_in_pieces(self.lightning_module, self._engine, from_masters, because=short)
+        if from_masters and handed_back and self.lightning_module is not None:
             cast_norm_statistics(self.lightning_module, None)  # back in the dtype of their weights
         module = self.lightning_module
         if (self._layer_sync is not None and module is not None and module._trainer is not None
@@ -1291,6 +1300,25 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
+
+    def _hand_back_shortfall(self, from_masters: bool) -> str | None:
+        """Why this node's host memory cannot take the stage-3 module whole on each of its ranks,
+        agreed by every rank (see [Note: a hand-back that does not fit]); None when it can."""
+        whole_bytes = getattr(self._engine, "whole_bytes", None)
+        if whole_bytes is None or self.lightning_module is None:
+            return None  # stages 1/2: every rank holds the module whole already
+        whole = whole_bytes(from_masters)
+        ranks_here = max(1, self.num_processes)
+        available = host_memory_available()
+        fits = available is None or whole * ranks_here <= HAND_BACK_SHARE * available
+        if self.reduce_boolean_decision(fits, all=True):
+            return None
+        if fits:
+            return "another node's host memory cannot take it whole on each of its ranks"
+        assert available is not None
+        return (f"it takes {size_label(whole)} whole on each of this node's {ranks_here} rank(s),"
+                f" {size_label(whole * ranks_here)} in all, more than {HAND_BACK_SHARE:.0%} of the"
+                f" {size_label(available)} of host memory available")
 
     def _teardown_without_moving_the_module(self) -> None:
         """Lightning's teardown but for moving the module to the CPU: a setup that failed before a
@@ -1357,9 +1385,27 @@ def _do_nothing(*args: Any) -> None:
 # reaches together. A -mixed run hands the fp32 masters back, as its teardown would have.
 _PIECES_AFTER_ERROR: weakref.WeakKeyDictionary[Module, tuple[ZeroEngine, bool]] = weakref.WeakKeyDictionary()
 
+# [Note: a hand-back that does not fit]
+# Handing a stage-3 module back whole puts all of it in host memory on every rank of a node at
+# once: a 70B model in bf16 is 140 GB per rank, over a terabyte on a node of 8, which the kernel
+# answers by killing processes at the very end of a run. Before it gathers, teardown compares
+# the module's whole size times the node's ranks with HAND_BACK_SHARE of the host's available
+# memory (MemAvailable), and the ranks agree (one flag each). Where it does not fit, the module
+# stays each rank's pieces, as after an error ([Note: pieces after an error]); a warning gives
+# the numbers and the ways on. Checkpoints already hold the model whole.
+HAND_BACK_SHARE = 0.8
 
-def _leave_in_pieces(module: Module, engine: ZeroEngine, from_master: bool) -> None:
+
+def _leave_in_pieces(module: Module, engine: ZeroEngine, from_master: bool, because: str | None = None) -> None:
     _PIECES_AFTER_ERROR[module] = (engine, from_master)
+    if because is not None:
+        rank_zero_warn(
+            f"{type(module).__name__} is not handed back whole: {because}. Its parameters stay each rank's piece of"
+            " them (ZeRO stage 3), and the run's checkpoints hold them whole (`lightning-zero consolidate CKPT OUT`"
+            " writes one file, streamed, on any machine). lightning_zero.gather_after_error(module), on every rank,"
+            " gathers them whole where memory allows, as the next trainer.fit/validate/test/predict of this module"
+            " does first; a fresh module loading the checkpoint needs no gather.")
+        return
     rank_zero_warn(
         f"After the error, {type(module).__name__}'s parameters are each rank's piece of them (ZeRO stage 3): gathering"
         " them back is a collective, which is not safe after an error that other ranks may not share. The next"

@@ -4,15 +4,17 @@ error and going on behaves as under DDP ([Note: pieces after an error] in strate
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor
 
-from harness import run_on_ranks
+from harness import launched_environment, run_on_ranks
 from lightning_zero import ZeroConfig, ZeroStrategy, gather_after_error
-from models import TinyGPT, fit, params_of
+from models import TinyGPT, fit, loader, params_of
 
 WORLD = 2
 
@@ -78,9 +80,38 @@ def _two_steps(make: Any, precision: str) -> dict[str, Tensor]:
     return params_of(module)
 
 
-def _cases(_: Any) -> dict[str, Any]:
+def _short_of_memory(make: Any, directory: str) -> dict[str, Any]:
+    """A run whose hand-back the host cannot take ([Note: a hand-back that does not fit])."""
+    import lightning_zero.strategy as strategy_module
+
+    torch.manual_seed(0)
+    module = FailsAtStep2()
+    available = strategy_module.host_memory_available
+    strategy_module.host_memory_available = lambda: 2**10  # 1 KiB: the whole module does not fit
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = fit(module, make(), WORLD, steps=2)
+    finally:
+        strategy_module.host_memory_available = available
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    with launched_environment():
+        trainer.save_checkpoint(f"{directory}/in_pieces.ckpt")  # the engine still reads its masters
+    gathered = gather_after_error(module)
+    resumed = FailsAtStep2()
+    with launched_environment():
+        loaded = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=make(), max_steps=2, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        loaded.fit(resumed, train_dataloaders=loader(), ckpt_path=f"{directory}/in_pieces.ckpt")  # resumes at step 2: no step
+    return {"shapes": shapes, "gathered": gathered, "whole": params_of(module), "loaded": params_of(resumed),
+            "warnings": [str(w.message) for w in caught if "not handed back whole" in str(w.message)]}
+
+
+def _cases(directory: str) -> dict[str, Any]:
     stage3 = lambda: ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=1))  # noqa: E731
     return {
+        "zero3_short_of_memory": _short_of_memory(stage3, directory),
+        "zero3_fp32_two_steps": _two_steps(stage3, "32-true"),
         "ddp": _run(lambda: "ddp", "32-true", explicit=True),
         "zero3": _run(stage3, "32-true", explicit=True),
         "zero3_next_fit": _run(stage3, "32-true", explicit=False),
@@ -91,8 +122,8 @@ def _cases(_: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    return run_on_ranks(_cases, WORLD, None)
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_on_ranks(_cases, WORLD, str(tmp_path_factory.mktemp("after_error")))
 
 
 def _close(a: dict[str, Tensor], b: dict[str, Tensor], tolerance: float) -> bool:
@@ -129,3 +160,19 @@ def test_an_error_inside_backward_leaves_a_module_the_next_fit_takes(ranks: list
         after = rank["zero3_mid_backward"]
         assert after["shapes"] == {n: tuple(p.shape) for n, p in TinyGPT().named_parameters()}
         assert all(torch.isfinite(value).all() for value in after["final"].values())
+
+
+def test_a_module_the_host_cannot_take_whole_stays_in_pieces_and_is_not_lost(ranks: list[dict[str, Any]]) -> None:
+    """[Note: a hand-back that does not fit]: with too little host memory for every rank's whole
+    copy, teardown leaves the pieces (every rank agreeing) and says why; a checkpoint saved after
+    fit holds the trained weights, and gather_after_error gives them whole."""
+    warned = ranks[0]["zero3_short_of_memory"]["warnings"]
+    assert len(warned) == 1 and "FailsAtStep2 is not handed back whole: it takes" in warned[0]
+    assert "on each of this node's 2 rank(s)" in warned[0] and "of the 1.0 KiB of host memory available" in warned[0]
+    assert ranks[1]["zero3_short_of_memory"]["warnings"] == []  # said once, by rank 0
+    for rank in ranks:
+        case, ended = rank["zero3_short_of_memory"], rank["zero3_fp32_two_steps"]
+        assert case["shapes"] != {name: tuple(value.shape) for name, value in ended.items()}  # the pieces: 1-d
+        assert case["gathered"] is True
+        assert case["whole"].keys() == ended.keys() == case["loaded"].keys()
+        assert all(torch.equal(case["whole"][k], ended[k]) and torch.equal(case["loaded"][k], ended[k]) for k in ended)

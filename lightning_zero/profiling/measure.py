@@ -114,6 +114,19 @@ def process_memory() -> tuple[int, int]:
         return peak, peak
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory available for new allocations without swapping (MemAvailable in
+    /proc/meminfo: free memory plus the page cache that can be reclaimed); None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class SavedActivations:
     """Counts what autograd saves for backward between :meth:`start` and :meth:`stop` (each
     storage once; parameters, and stage-3 units gathered whole, excluded): the activations a

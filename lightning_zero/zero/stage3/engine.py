@@ -223,6 +223,11 @@ class Zero3Engine(Zero3Hooks):
                 self._start_gather(unit, _GatherFor.REFRESH)
                 unit.finish_gather()
 
+    def whole_bytes(self, from_master: bool) -> int:
+        """Bytes of every parameter whole, as ``gather_to_cpu(from_master)`` would hand them back."""
+        return sum(sp.numel * (sp.built_dtype if from_master and unit.master is not unit.shard else unit.param_dtype).itemsize
+                   for unit in self.units for sp in unit.params)
+
     @torch.no_grad()
     def gather_to_cpu(self, from_master: bool) -> None:
         """Gives every parameter its own whole CPU tensor, unit by unit (used at teardown); with
