@@ -1390,7 +1390,8 @@ _PIECES_AFTER_ERROR: weakref.WeakKeyDictionary[Module, tuple[ZeroEngine, bool]] 
 # once: a 70B model in bf16 is 140 GB per rank, over a terabyte on a node of 8, which the kernel
 # answers by killing processes at the very end of a run. Before it gathers, teardown compares
 # the module's whole size times the node's ranks with HAND_BACK_SHARE of the host's available
-# memory (MemAvailable), and the ranks agree (one flag each). Where it does not fit, the module
+# memory (MemAvailable, or what a container's or SLURM job's memory cgroup leaves, where that is
+# less), and the ranks agree (one flag each). Where it does not fit, the module
 # stays each rank's pieces, as after an error ([Note: pieces after an error]); a warning gives
 # the numbers and the ways on. Checkpoints already hold the model whole.
 HAND_BACK_SHARE = 0.8

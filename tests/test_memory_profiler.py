@@ -293,3 +293,34 @@ def test_bad_arguments(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"output_dir=...\): .*a_file/memory' cannot be made a directory"):
         _fit_alone(TinyGPT(width=16), profiler, tmp_path, max_steps=2)
     assert profiler.samples == [] and a_file.read_text() == "mine"
+
+
+def test_host_memory_available_takes_the_tightest_cgroup_limit(tmp_path: Any) -> None:
+    """MemAvailable, or less where a memory cgroup (this one or a parent, v2 or v1) leaves less;
+    the reclaimable inactive page cache counts as available (what a teardown may still take)."""
+    from lightning_zero.profiling.measure import host_memory_available
+
+    MiB = 2**20
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:  4000000 kB\nMemAvailable:   1000000 kB\n")
+    # cgroup v2: the job's limit sits on the parent of this process's cgroup, which has none.
+    (proc / "self" / "cgroup").write_text("0::/job/step\n")
+    (root / "job" / "step").mkdir(parents=True)
+    (root / "job" / "step" / "memory.max").write_text("max\n")
+    (root / "job" / "step" / "memory.current").write_text("5\n")
+    (root / "job" / "memory.max").write_text(f"{600 * MiB}\n")
+    (root / "job" / "memory.current").write_text(f"{200 * MiB}\n")
+    (root / "job" / "memory.stat").write_text(f"anon {150 * MiB}\ninactive_file {50 * MiB}\n")
+    assert host_memory_available(proc, root) == 450 * MiB
+    (root / "job" / "memory.max").write_text("max\n")  # no limit anywhere: MemAvailable
+    assert host_memory_available(proc, root) == 1000000 * 1024
+    # cgroup v1, where "no limit" is a huge number
+    (proc / "self" / "cgroup").write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/\n")
+    (root / "memory" / "docker" / "abc").mkdir(parents=True)
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (root / "memory" / "docker" / "abc" / "memory.limit_in_bytes").write_text(f"{1024 * MiB}\n")
+    (root / "memory" / "docker" / "abc" / "memory.usage_in_bytes").write_text(f"{512 * MiB}\n")
+    (root / "memory" / "docker" / "abc" / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {256 * MiB}\n")
+    assert host_memory_available(proc, root) == 768 * MiB
+    assert host_memory_available(tmp_path / "nothing", tmp_path / "nothing") is None

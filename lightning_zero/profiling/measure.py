@@ -7,6 +7,7 @@ from __future__ import annotations
 import resource
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,17 +115,67 @@ def process_memory() -> tuple[int, int]:
         return peak, peak
 
 
-def host_memory_available() -> int | None:
-    """Bytes of host memory available for new allocations without swapping (MemAvailable in
-    /proc/meminfo: free memory plus the page cache that can be reclaimed); None where unknown."""
+def host_memory_available(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes of host memory this process may still allocate without swapping or being killed:
+    MemAvailable of /proc/meminfo (free memory and the page cache that can be reclaimed), or less
+    where a memory cgroup (a container's or a SLURM job's limit) leaves less; None where unknown."""
+    available = None
     try:
-        with open("/proc/meminfo") as meminfo:
+        with open(proc / "meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
+                    available = int(line.split()[1]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    headroom = cgroup_memory_headroom(proc, cgroup_root)
+    if headroom is None:
+        return available
+    return headroom if available is None else min(available, headroom)
+
+
+def cgroup_memory_headroom(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What the tightest memory limit among this process's cgroup and its parents leaves (limit
+    minus usage, the reclaimable inactive page cache not counted as used); None without a limit.
+    cgroup v2 (``memory.max``) and v1 (``memory.limit_in_bytes``)."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    tightest = None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            base, files = cgroup_root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base, files = cgroup_root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):  # this cgroup, then each parent: a limit may sit higher up
+            headroom = _cgroup_headroom(base.joinpath(*parts[:depth]), *files)
+            if headroom is not None:
+                tightest = headroom if tightest is None else min(tightest, headroom)
+    return tightest
+
+
+def _cgroup_headroom(directory: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        limit_text = (directory / limit_file).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= 2**60:  # no limit (v1 writes a huge number)
+            return None
+        usage = int((directory / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    inactive = 0
+    try:
+        for stat in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = stat.partition(" ")
+            if key == inactive_key:
+                inactive = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, int(limit_text) - (usage - inactive))
 
 
 class SavedActivations:
