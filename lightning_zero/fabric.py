@@ -331,7 +331,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     # the parameters no optimizer trains yet, and a later optimizer's parameters take theirs back
     # before it is wrapped. The first forward drops what is left (it would round for good:
     # FrozenRoundingWarning names it) and from then on an optimizer set up is refused. Stage 3
-    # keeps an fp32 master of every parameter in its units: nothing to keep.
+    # keeps an fp32 master of every parameter its shards would round (see [Note: masters of
+    # frozen pieces]): nothing to keep.
     def _cast_module(self) -> None:
         if self._cast_pending and self._module is not None:
             if self.config.stage != 3:

@@ -243,7 +243,7 @@ def warn_frozen_rounding(module: Module | None, stage: int, precision: Any,
             f" precision={precision.precision!r} at ZeRO stage {stage}, which keeps fp32 masters for what the"
             " optimizers train only: their values round for good, and the module handed back after fit (in that"
             " dtype) and every checkpoint hold the rounded values. To keep them exact, use stage 3 (it keeps an fp32"
-            f" master of every parameter), load them in {narrow} to begin with (nothing is then lost), give the"
+            f" master of every parameter its shards would round), load them in {narrow} to begin with (nothing is then lost), give the"
             " trainable ones to an optimizer, or train with precision='32-true'.",
             category=FrozenRoundingWarning,
         )

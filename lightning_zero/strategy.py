@@ -426,7 +426,9 @@ class ZeroStrategy(ParallelStrategy):
             # before wrapping; reverted at teardown.
             self.model = self._layer_sync.apply(self.model)
         # A module an earlier stage-3 run left in pieces on an error is whole again first (a
-        # collective: every rank is here), see [Note: pieces after an error].
+        # collective: every rank is here), see [Note: pieces after an error]; one left in pieces
+        # because the host could not take it whole, only if it can now.
+        self._check_pieces_fit(self.lightning_module)
         gather_after_error(self.lightning_module)
         # Before the first collective that depends on the model (see [Note: ranks that disagree]).
         # A module an earlier pipelined run split holds one rank's layers: ranks differ by design.
@@ -1283,7 +1285,7 @@ class ZeroStrategy(ParallelStrategy):
             # The engine stays: after fit, a checkpoint save still reads its masters (see
             # Phase.HANDED_BACK), and the next setup builds a new one.
             self._engine.remove_hooks()
-            short = self._hand_back_shortfall(from_masters)
+            short = self._hand_back_shortfall(self._engine, from_masters)
             if short is None:
                 self._engine.gather_to_cpu(from_master=from_masters)
             else:
@@ -1301,12 +1303,14 @@ class ZeroStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         super().teardown()
 
-    def _hand_back_shortfall(self, from_masters: bool) -> str | None:
+    def _hand_back_shortfall(self, engine: ZeroEngine, from_masters: bool) -> str | None:
         """Why this node's host memory cannot take the stage-3 module whole on each of its ranks,
         agreed by every rank (see [Note: a hand-back that does not fit]); None when it can."""
-        whole_bytes = getattr(self._engine, "whole_bytes", None)
+        whole_bytes = getattr(engine, "whole_bytes", None)
         if whole_bytes is None or self.lightning_module is None:
             return None  # stages 1/2: every rank holds the module whole already
+        if self._start_method != "popen":
+            return None  # the spawn launcher sends rank 0's whole state dict to the main process
         whole = whole_bytes(from_masters)
         ranks_here = max(1, self.num_processes)
         available = host_memory_available()
@@ -1314,11 +1318,24 @@ class ZeroStrategy(ParallelStrategy):
         if self.reduce_boolean_decision(fits, all=True):
             return None
         if fits:
-            return "another node's host memory cannot take it whole on each of its ranks"
+            return "another rank found too little host memory to take it whole on each of its node's ranks"
         assert available is not None
         return (f"it takes {size_label(whole)} whole on each of this node's {ranks_here} rank(s),"
                 f" {size_label(whole * ranks_here)} in all, more than {HAND_BACK_SHARE:.0%} of the"
                 f" {size_label(available)} of host memory available")
+
+    def _check_pieces_fit(self, module: Module) -> None:
+        """Refuses, on every rank, a module an earlier run left in pieces because the host could not
+        take it whole (see [Note: a hand-back that does not fit]) while that is still so."""
+        entry = _PIECES_AFTER_ERROR.get(module)
+        if entry is None or not entry[2]:
+            return
+        short = self._hand_back_shortfall(entry[0], entry[1])
+        if short is not None:
+            raise RuntimeError(
+                f"{type(module).__name__} is still each rank's pieces: an earlier run left it so because the host could"
+                f" not take it whole, and it still cannot ({short}). Give trainer.fit/validate/test/predict a fresh"
+                " module and the checkpoint (ckpt_path=...): it is sharded as it is set up, never gathered whole.")
 
     def _teardown_without_moving_the_module(self) -> None:
         """Lightning's teardown but for moving the module to the CPU: a setup that failed before a
@@ -1383,7 +1400,8 @@ def _do_nothing(*args: Any) -> None:
 # gather_after_error(module) gathers the module back whole when every rank calls it: the next
 # fit/validate/test/predict on the module calls it first, as its setup is a point every rank
 # reaches together. A -mixed run hands the fp32 masters back, as its teardown would have.
-_PIECES_AFTER_ERROR: weakref.WeakKeyDictionary[Module, tuple[ZeroEngine, bool]] = weakref.WeakKeyDictionary()
+# module -> (the engine that knows its pieces, whether to hand back the masters, whether memory was why)
+_PIECES_AFTER_ERROR: weakref.WeakKeyDictionary[Module, tuple[ZeroEngine, bool, bool]] = weakref.WeakKeyDictionary()
 
 # [Note: a hand-back that does not fit]
 # Handing a stage-3 module back whole puts all of it in host memory on every rank of a node at
@@ -1398,14 +1416,15 @@ HAND_BACK_SHARE = 0.8
 
 
 def _leave_in_pieces(module: Module, engine: ZeroEngine, from_master: bool, because: str | None = None) -> None:
-    _PIECES_AFTER_ERROR[module] = (engine, from_master)
+    _PIECES_AFTER_ERROR[module] = (engine, from_master, because is not None)
     if because is not None:
         rank_zero_warn(
             f"{type(module).__name__} is not handed back whole: {because}. Its parameters stay each rank's piece of"
             " them (ZeRO stage 3), and the run's checkpoints hold them whole (`lightning-zero consolidate CKPT OUT`"
-            " writes one file, streamed, on any machine). lightning_zero.gather_after_error(module), on every rank,"
-            " gathers them whole where memory allows, as the next trainer.fit/validate/test/predict of this module"
-            " does first; a fresh module loading the checkpoint needs no gather.")
+            " writes one file, streamed, on any machine), and trainer.save_checkpoint still writes them."
+            " lightning_zero.gather_after_error(module), on every rank, gathers them whole where memory allows. A next"
+            " trainer.fit/validate/test/predict of this module gathers them first if memory allows, else it refuses;"
+            " a fresh module with ckpt_path= is never gathered whole.")
         return
     rank_zero_warn(
         f"After the error, {type(module).__name__}'s parameters are each rank's piece of them (ZeRO stage 3): gathering"
@@ -1421,7 +1440,7 @@ def gather_after_error(module: Module) -> bool:
     entry = _PIECES_AFTER_ERROR.pop(module, None)
     if entry is None:
         return False
-    engine, from_master = entry
+    engine, from_master, _ = entry
     engine.gather_to_cpu(from_master=from_master)
     if from_master:
         cast_norm_statistics(module, None)

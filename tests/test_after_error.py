@@ -97,13 +97,22 @@ def _short_of_memory(make: Any, directory: str) -> dict[str, Any]:
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     with launched_environment():
         trainer.save_checkpoint(f"{directory}/in_pieces.ckpt")  # the engine still reads its masters
+    # The next fit of the module would gather it whole first: refused while memory is still short.
+    strategy_module.host_memory_available = lambda: 2**10
+    try:
+        fit(module, make(), WORLD, steps=3)
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    finally:
+        strategy_module.host_memory_available = available
     gathered = gather_after_error(module)
     resumed = FailsAtStep2()
     with launched_environment():
         loaded = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=make(), max_steps=2, logger=False,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
         loaded.fit(resumed, train_dataloaders=loader(), ckpt_path=f"{directory}/in_pieces.ckpt")  # resumes at step 2: no step
-    return {"shapes": shapes, "gathered": gathered, "whole": params_of(module), "loaded": params_of(resumed),
+    return {"shapes": shapes, "gathered": gathered, "whole": params_of(module), "loaded": params_of(resumed), "refused": refused,
             "warnings": [str(w.message) for w in caught if "not handed back whole" in str(w.message)]}
 
 
@@ -173,6 +182,8 @@ def test_a_module_the_host_cannot_take_whole_stays_in_pieces_and_is_not_lost(ran
     for rank in ranks:
         case, ended = rank["zero3_short_of_memory"], rank["zero3_fp32_two_steps"]
         assert case["shapes"] != {name: tuple(value.shape) for name, value in ended.items()}  # the pieces: 1-d
+        assert case["refused"] is not None and "FailsAtStep2 is still each rank's pieces" in case["refused"]
+        assert "Give trainer.fit/validate/test/predict a fresh module and the checkpoint" in case["refused"]
         assert case["gathered"] is True
         assert case["whole"].keys() == ended.keys() == case["loaded"].keys()
         assert all(torch.equal(case["whole"][k], ended[k]) and torch.equal(case["loaded"][k], ended[k]) for k in ended)

@@ -213,7 +213,8 @@ def is_extra_state(key: str) -> bool:
 def model_entries(module: nn.Module, pieces: Sequence[ParamPiece], group: dist.ProcessGroup | None,
                   placement: MeshPlacement | None = None) -> dict[str, Any]:
     """The module's state dict for a sharded save: a parameter with a master piece is saved as the
-    fp32 master values, sharded like the pieces; everything else whole, from rank 0 only.
+    fp32 master values, sharded like the pieces (a stage-3 frozen piece without a master as its
+    shard holds it, see [Note: masters of frozen pieces]); everything else whole, from rank 0 only.
 
     Rank 0's, not any rank's: ZeRO does not re-broadcast buffers every forward as DDP does, so
     e.g. BatchNorm statistics differ between ranks, and DCP would keep an arbitrary rank's copy

@@ -30,8 +30,11 @@ in, which the low-precision shard would round (an fp32 base weight under bf16-mi
 frozen parameter of a unit was built in the shard's own dtype (a base model loaded in bf16 for a
 LoRA fine-tune), the shard already holds those values exactly, and the unit's master spans the
 trained pieces only [T]: 4 bytes per frozen element and rank less. The frozen pieces are then read
-from the shard wherever a master would be (checkpoints, ``gather_master_values``, hand-back),
-widened exactly. The decision depends on dtypes only, so every rank makes the same one.
+from the shard wherever a master would be: ``gather_master_values`` (``full_state_dict``,
+hand-back) widens them exactly, and sharded checkpoints save them as the shard holds them, in its
+dtype (loading converts, either way). The rule is per unit: one frozen parameter built in another
+dtype (an fp32 norm kept beside a bf16 base) keeps the masters of all the unit's frozen pieces.
+The decision depends on dtypes only, so every rank makes the same one.
 
 [Note: a stage-3 parameter outside its gather]
 While its unit is gathered a parameter has its true shape and value. Otherwise it is this rank's
