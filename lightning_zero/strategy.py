@@ -1420,11 +1420,11 @@ def _leave_in_pieces(module: Module, engine: ZeroEngine, from_master: bool, beca
     if because is not None:
         rank_zero_warn(
             f"{type(module).__name__} is not handed back whole: {because}. Its parameters stay each rank's piece of"
-            " them (ZeRO stage 3), and the run's checkpoints hold them whole (`lightning-zero consolidate CKPT OUT`"
-            " writes one file, streamed, on any machine), and trainer.save_checkpoint still writes them."
-            " lightning_zero.gather_after_error(module), on every rank, gathers them whole where memory allows. A next"
-            " trainer.fit/validate/test/predict of this module gathers them first if memory allows, else it refuses;"
-            " a fresh module with ckpt_path= is never gathered whole.")
+            " them (ZeRO stage 3). The run's checkpoints hold them whole (`lightning-zero consolidate CKPT OUT` writes"
+            " one file, streamed, on any machine), and trainer.save_checkpoint still writes them; the module's own"
+            " state_dict() holds this rank's pieces only. lightning_zero.gather_after_error(module), on every rank,"
+            " gathers them whole where memory allows. A next trainer.fit/validate/test/predict of this module gathers"
+            " them first if memory allows, else it refuses; a fresh module with ckpt_path= is never gathered whole.")
         return
     rank_zero_warn(
         f"After the error, {type(module).__name__}'s parameters are each rank's piece of them (ZeRO stage 3): gathering"
