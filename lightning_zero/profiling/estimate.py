@@ -48,7 +48,7 @@ its forward once and counting what autograd saves for backward; otherwise they a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -253,23 +253,33 @@ def _frozen_with_masters(model: nn.Module | int, config: ZeroConfig, precision: 
         return 0
     if not isinstance(model, nn.Module):
         return frozen
+    frozen_of: dict[tuple[str | None, torch.dtype], int] = {}
+    inexact: set[tuple[str | None, torch.dtype]] = set()
+    for owner, param in _params_by_unit(model, config):
+        if is_trained(param):
+            continue
+        dtype = held_dtype(param.dtype, held)
+        frozen_of[(owner, dtype)] = frozen_of.get((owner, dtype), 0) + param.numel()
+        if param.dtype != dtype:
+            inexact.add((owner, dtype))
+    return sum(numel for key, numel in frozen_of.items() if key in inexact)
+
+
+def _params_by_unit(model: nn.Module, config: ZeroConfig) -> Iterator[tuple[str | None, nn.Parameter]]:
+    """Each parameter once (tied ones too), with the prefix of the stage-3 unit module it lands
+    in, or None for one kept whole (under ``param_persistence_threshold``)."""
     from lightning_zero.zero.stage3 import partition
 
     units = partition.choose_unit_modules(model, config.unit_modules, config.min_unit_numel)
-    frozen_of: dict[tuple[str | None, torch.dtype], int] = {}
-    inexact: set[tuple[str | None, torch.dtype]] = set()
     seen: set[nn.Parameter] = set()
     for name, param in model.named_parameters():
-        if param in seen or is_trained(param):
+        if param in seen:
             continue
         seen.add(param)
-        persistent = param.numel() < config.param_persistence_threshold
-        dtype = held_dtype(param.dtype, held)
-        key = (None if persistent else partition.innermost_prefix(name.rpartition(".")[0], units), dtype)
-        frozen_of[key] = frozen_of.get(key, 0) + param.numel()
-        if param.dtype != dtype:
-            inexact.add(key)
-    return sum(numel for key, numel in frozen_of.items() if key in inexact)
+        if param.numel() < config.param_persistence_threshold:
+            yield None, param
+        else:
+            yield partition.innermost_prefix(name.rpartition(".")[0], units), param
 
 
 def _trained_test(trained: Collection[nn.Parameter] | None) -> Callable[[nn.Parameter], bool]:
@@ -287,17 +297,11 @@ def _largest_unit_numels(model: nn.Module | int, config: ZeroConfig,
     (None for a count)."""
     if not isinstance(model, nn.Module):
         return None
-    from lightning_zero.zero.stage3 import partition
-
-    units = partition.choose_unit_modules(model, config.unit_modules, config.min_unit_numel)
     sizes: dict[str, int] = {}
     trained: dict[str, int] = {}
-    seen: set[nn.Parameter] = set()
-    for name, param in model.named_parameters():
-        if param in seen or param.numel() < config.param_persistence_threshold:
-            continue
-        seen.add(param)
-        owner = partition.innermost_prefix(name.rpartition(".")[0], units)
+    for owner, param in _params_by_unit(model, config):
+        if owner is None:
+            continue  # kept whole: no unit gathers or reduces it
         sizes[owner] = sizes.get(owner, 0) + param.numel()
         trained[owner] = trained.get(owner, 0) + (param.numel() if is_trained(param) else 0)
     return max(sizes.values(), default=0), max(trained.values(), default=0)

@@ -90,8 +90,6 @@ class ShardedParam:
     shard_range: Range  # "shard" index space: this rank's piece inside the unit's shard
     unit: ShardedUnit
     trained: bool  # requires_grad when the engine was built: its piece lies in the unit's first T elements
-    # Whether its piece has a master apart from the shard's (see [Note: masters of frozen pieces]).
-    has_master: bool = True
     built_dtype: torch.dtype = torch.float32  # the dtype it was built in (handed back in it)
     # param._version when the engine last knew the parameter's contents: a larger one means user
     # code wrote the parameter in place (see [Note: a stage-3 parameter outside its gather]).
@@ -122,6 +120,12 @@ class ShardedParam:
         ranges = self.piece_ranges()
         return ParamPiece(self.param, self.name, ranges, self.holder, Range(0, ranges[self.unit.rank].size),
                           param_shape=tuple(self.shape), tile_offsets=(self.shard_range.start,) * len(ranges))
+
+    @property
+    def has_master(self) -> bool:
+        """Whether its piece lies in the unit's master: trained pieces always, frozen ones unless the
+        shard holds them exactly (see [Note: masters of frozen pieces])."""
+        return self.trained or self.unit.master_numel == self.unit.shard_numel
 
     @property
     def master(self) -> Tensor:
@@ -226,9 +230,6 @@ class ShardedUnit:
         # masters of frozen pieces]): checkpoints read the frozen weights from it, at full precision.
         frozen_exact = all(param.dtype == param_dtype for _, param in named_params if not param.requires_grad)
         self.master_numel = shard_offset if same or not frozen_exact else self.trained_numel
-        if self.master_numel < shard_offset:
-            for sp in self.params:
-                sp.has_master = sp.trained
         self.master = self.shard if same else _zeros(self.master_numel, self.master_dtype, master_device, pin)
         # The trained pieces' master gradient [T] (see [Note: trained pieces first]).
         self.master_grad = _zeros(self.trained_numel, self.master_dtype, master_device, pin)
