@@ -280,3 +280,18 @@ def test_a_damaged_record_of_an_old_checkpoint_names_its_file_on_every_rank(trai
     assert message.endswith("__1_0.distcp changed after it was written, or was cut short. Load an earlier checkpoint,"
                             " or copy this one again.")
     assert "weights_only" not in message
+
+
+@pytest.mark.parametrize("seed", [43, 454])
+def test_a_file_of_noise_whose_pickle_frame_claims_a_huge_length_is_a_checkpoint_error(tmp_path: Path, seed: int) -> None:
+    """About 1 in 70 files of random bytes starts with a pickle frame whose length field is noise:
+    torch.load raised OverflowError (seed 43) or MemoryError (seed 454), not a CheckpointError,
+    which made test_checkpoint's noise case fail now and then."""
+    import random
+
+    from lightning_zero.checkpoint.full import load_module_state
+
+    path = tmp_path / "noise.ckpt"
+    path.write_bytes(random.Random(seed).randbytes(1000))
+    with pytest.raises(CheckpointError, match=r"noise.ckpt \(1000 bytes\) cannot be read as a checkpoint: (Overflow|Memory)Error"):
+        load_module_state(path)

@@ -249,7 +249,7 @@ class NamingReader(dcp.FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
             return super().read_data(plan, planner)
-        except _RECORD_ERRORS as error:
+        except UNREADABLE_ERRORS as error:
             raise self._damaged(plan, error) from error
 
     def _damaged(self, plan: LoadPlan, error: BaseException) -> CheckpointError:
@@ -264,15 +264,16 @@ class NamingReader(dcp.FileSystemReader):
                     data = handle.read(info.length)
                 if item.type != LoadItemType.BYTE_IO:  # pickled objects are unpickled later, by from_object_entry
                     torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            except _RECORD_ERRORS as found:
+            except UNREADABLE_ERRORS as found:
                 return damaged_record(directory, record, found)
         return CheckpointError(f"The checkpoint {directory} cannot be read: {reason(error)}. Load an earlier checkpoint.")
 
 
 # What torch.load raises on bytes that are not what torch.save wrote (OSError: a zip directory
-# pointing before the record's start makes it seek to a negative offset).
-_RECORD_ERRORS = (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, zipfile.BadZipFile, KeyError,
-                  AttributeError, ImportError, IndexError, TypeError, OSError)
+# pointing before the record's start makes it seek to a negative offset; OverflowError and
+# MemoryError: a pickle frame whose length field is noise).
+UNREADABLE_ERRORS = (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, zipfile.BadZipFile, KeyError,
+                     AttributeError, ImportError, IndexError, TypeError, OSError, OverflowError, MemoryError)
 
 
 def damaged_record(directory: Path, record: Record, error: BaseException) -> CheckpointError:

@@ -3,13 +3,13 @@ that say what is wrong with the file and what to do."""
 
 from __future__ import annotations
 
-import pickle
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_zero.checkpoint.checksums import UNREADABLE_ERRORS, reason
 from lightning_zero.checkpoint.sharded import CheckpointError
 
 
@@ -61,14 +61,14 @@ def _torch_load(path: Path) -> Any:
     # Only zip-format files can be memory-mapped (not legacy pickles, nor a zip cut short).
     try:
         return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=False)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, zipfile.BadZipFile, OSError) as error:
+    except UNREADABLE_ERRORS as error:
         raise _unreadable(path, error) from error
 
 
 def _unreadable(path: Path, error: BaseException) -> CheckpointError:
     size = path.stat().st_size if path.exists() else 0
     return CheckpointError(
-        f"{path} ({size} bytes) cannot be read as a checkpoint: {type(error).__name__}: {str(error).splitlines()[0]}."
+        f"{path} ({size} bytes) cannot be read as a checkpoint: {reason(error)}."
         " The file is truncated (an interrupted copy or save) or not a torch checkpoint. Use an earlier checkpoint,"
         " or copy the file again."
     )
