@@ -116,6 +116,7 @@ from lightning_zero.zero.consistency import (
 from lightning_zero.zero.engine import ZeroEngine, make_engine
 from lightning_zero.zero.layout import ParamPiece
 from lightning_zero.zero.optimizer import ShardedOptimizer
+from lightning_zero.zero.stage3 import PiecesSource, Zero3Engine
 from lightning_zero.zero.stage3.generation import sync_generation
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,7 @@ class ZeroStrategy(ParallelStrategy):
         # Module-level no-ops, not lambdas: a spawn/fork launcher pickles the strategy.
         self._restore_lr_scheduler_step: Callable[[], Any] = _do_nothing
         self._unsync_generation: Callable[[], None] = _do_nothing
+        self._taken_pieces: _TakenPieces | None = None  # see [Note: re-sharding a module left in pieces]
         self._restore_optimizer_zero_grad: Callable[[], Any] = _do_nothing
         self._zero_grad_of_window: Callable[..., Any] = _do_nothing  # the module's own optimizer_zero_grad
         self._engine: ZeroEngine | None = None
@@ -425,16 +427,18 @@ class ZeroStrategy(ParallelStrategy):
             # Trainer(sync_batchnorm=True): before the engine takes the parameters, as DDP converts
             # before wrapping; reverted at teardown.
             self.model = self._layer_sync.apply(self.model)
-        # A module an earlier stage-3 run left in pieces on an error is whole again first (a
-        # collective: every rank is here), see [Note: pieces after an error]; one left in pieces
-        # because the host could not take it whole, only if it can now.
-        self._check_pieces_fit(self.lightning_module)
-        gather_after_error(self.lightning_module)
-        # Before the first collective that depends on the model (see [Note: ranks that disagree]).
-        # A module an earlier pipelined run split holds one rank's layers: ranks differ by design.
-        if not is_split(self.lightning_module):
-            check_same_model(self.lightning_module, self.collectives)
-        self._setup_engine()
+        self._take_pieces(self.lightning_module)
+        try:
+            # Before the first collective that depends on the model (see [Note: ranks that disagree]).
+            # A module an earlier pipelined run split holds one rank's layers: ranks differ by design.
+            if not is_split(self.lightning_module):
+                check_same_model(self.lightning_module, self.collectives)
+            self._setup_engine()
+        except BaseException:
+            if self._taken_pieces is not None:  # the new engine holds nothing yet: the pieces stay the module's
+                self._taken_pieces.put_back()
+                self._taken_pieces = None
+            raise
         if trainer.state.fn == TrainerFn.FITTING:
             # Before the precision cast: the fp32 master shards are taken from the fp32 weights.
             self.setup_optimizers(trainer)
@@ -474,9 +478,12 @@ class ZeroStrategy(ParallelStrategy):
         self._setup_pipeline(module)
         on_meta = self.config.stage == 3 and any(p.is_meta for p in module.parameters())
         init = None
+        taken = self._taken_pieces
         if on_meta:
             group = self._parallel.data_group if self._parallel is not None else torch.distributed.group.WORLD
-            init = _prepare_meta_build(module, self.root_device, group if self.world_size > 1 else None)
+            prepared = _prepare_meta_build(module, self.root_device, group if self.world_size > 1 else None,
+                                           check_resettable=taken is None)
+            init = None if taken is not None else prepared
         else:
             self.model_to_device()
             if self._parallel is not None:
@@ -489,7 +496,8 @@ class ZeroStrategy(ParallelStrategy):
                 # Every rank must start from rank 0's weights, as with DDP.
                 _sync_module_states(module)
         self._engine = make_engine(module, self.engine_collectives, self.config, precision.param_dtype,
-                                   self.root_device, init=init)
+                                   self.root_device, init=init, source=taken.source if taken is not None else None)
+        self._taken_pieces = None  # the new engine holds the values now; the old one and its pieces go
         if self._tensor_parallel is not None:
             self._tensor_parallel.install_hooks()
         if self._engine.stage_shards_params:
@@ -1324,6 +1332,22 @@ class ZeroStrategy(ParallelStrategy):
                 f" {size_label(whole * ranks_here)} in all, more than {HAND_BACK_SHARE:.0%} of the"
                 f" {size_label(available)} of host memory available")
 
+    def _take_pieces(self, module: Module) -> None:
+        """A module an earlier stage-3 run left in pieces (after an error, or because the host could
+        not take it whole): a stage-3 setup builds its engine from them (see [Note: re-sharding a
+        module left in pieces]); any other gathers it whole first (a collective: every rank is
+        here), see [Note: pieces after an error], and only if the host can take it whole now."""
+        entry = _PIECES_AFTER_ERROR.get(module)
+        if entry is None:
+            return
+        parallel = self._parallel
+        if (self.config.stage == 3 and not is_split(module)
+                and (parallel is None or parallel.dims.tensor == 1) and not self.config.pipeline.enabled):
+            self._taken_pieces = _TakenPieces(module, *entry)
+            return
+        self._check_pieces_fit(module)
+        gather_after_error(module)
+
     def _check_pieces_fit(self, module: Module) -> None:
         """Refuses, on every rank, a module an earlier run left in pieces because the host could not
         take it whole (see [Note: a hand-back that does not fit]) while that is still so."""
@@ -1334,8 +1358,10 @@ class ZeroStrategy(ParallelStrategy):
         if short is not None:
             raise RuntimeError(
                 f"{type(module).__name__} is still each rank's pieces: an earlier run left it so because the host could"
-                f" not take it whole, and it still cannot ({short}). Give trainer.fit/validate/test/predict a fresh"
-                " module and the checkpoint (ckpt_path=...): it is sharded as it is set up, never gathered whole.")
+                f" not take it whole, and it still cannot ({short}), so this run (ZeRO stage {self.config.stage}"
+                f"{', with a tensor or pipeline mesh' if self.config.stage == 3 else ''}) cannot take it: it would gather"
+                " it whole first. A plain stage-3 run (e.g. strategy='zero3') takes the pieces as they are; or give"
+                " trainer.fit/validate/test/predict a fresh module and the checkpoint (ckpt_path=...).")
 
     def _teardown_without_moving_the_module(self) -> None:
         """Lightning's teardown but for moving the module to the CPU: a setup that failed before a
@@ -1397,9 +1423,11 @@ def _do_nothing(*args: Any) -> None:
 # nothing: the module keeps this rank's pieces, 1-d, which a user catching the error would save or
 # train on again (the next fit then failed, naming a rank-dependent model). The engine that knows
 # the pieces is kept with the module instead (_PIECES_AFTER_ERROR, weakly), a warning says so, and
-# gather_after_error(module) gathers the module back whole when every rank calls it: the next
-# fit/validate/test/predict on the module calls it first, as its setup is a point every rank
-# reaches together. A -mixed run hands the fp32 masters back, as its teardown would have.
+# gather_after_error(module) gathers the module back whole when every rank calls it. The next
+# fit/validate/test/predict on the module, whose setup is a point every rank reaches together,
+# builds a stage-3 engine from the pieces ([Note: re-sharding a module left in pieces] in
+# zero/stage3/engine.py) or, at other stages, calls it first. A -mixed run hands the fp32 masters
+# back, as its teardown would have.
 # module -> (the engine that knows its pieces, whether to hand back the masters, whether memory was why)
 _PIECES_AFTER_ERROR: weakref.WeakKeyDictionary[Module, tuple[ZeroEngine, bool, bool]] = weakref.WeakKeyDictionary()
 
@@ -1423,14 +1451,31 @@ def _leave_in_pieces(module: Module, engine: ZeroEngine, from_master: bool, beca
             " them (ZeRO stage 3). The run's checkpoints hold them whole (`lightning-zero consolidate CKPT OUT` writes"
             " one file, streamed, on any machine), and trainer.save_checkpoint still writes them; the module's own"
             " state_dict() holds this rank's pieces only. lightning_zero.gather_after_error(module), on every rank,"
-            " gathers them whole where memory allows. A next trainer.fit/validate/test/predict of this module gathers"
-            " them first if memory allows, else it refuses; a fresh module with ckpt_path= is never gathered whole.")
+            " gathers them whole where memory allows. A next stage-3 trainer.fit/validate/test/predict of this module"
+            " builds its engine from these pieces, never whole; any other run gathers them first if memory allows, else"
+            " it refuses.")
         return
     rank_zero_warn(
         f"After the error, {type(module).__name__}'s parameters are each rank's piece of them (ZeRO stage 3): gathering"
         " them back is a collective, which is not safe after an error that other ranks may not share. The next"
-        " trainer.fit/validate/test/predict of this module gathers them back first; to use it outside a Trainer,"
-        " call lightning_zero.gather_after_error(module) on every rank.")
+        " trainer.fit/validate/test/predict of this module builds its engine from them (stage 3) or gathers them"
+        " back first; to use it outside a Trainer, call lightning_zero.gather_after_error(module) on every rank.")
+
+
+class _TakenPieces:
+    """A module left in pieces, taken for re-sharding (see [Note: re-sharding a module left in
+    pieces] in zero/stage3/engine.py); ``put_back`` leaves it as it was if the setup fails first."""
+
+    def __init__(self, module: Module, engine: ZeroEngine, from_master: bool, for_memory: bool) -> None:
+        assert isinstance(engine, Zero3Engine)  # only stage 3 leaves pieces
+        self.source = PiecesSource(engine, from_master)
+        self.module = module
+        self.entry = (engine, from_master, for_memory)
+        del _PIECES_AFTER_ERROR[module]
+
+    def put_back(self) -> None:
+        self.source.put_back()
+        _PIECES_AFTER_ERROR[self.module] = self.entry
 
 
 def gather_after_error(module: Module) -> bool:
@@ -1596,16 +1641,18 @@ def _has_meta_tensors(module: Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
-def _prepare_meta_build(module: Module, device: torch.device,
-                        group: torch.distributed.ProcessGroup | None) -> Callable[[Module], None]:
+def _prepare_meta_build(module: Module, device: torch.device, group: torch.distributed.ProcessGroup | None,
+                        check_resettable: bool = True) -> Callable[[Module], None]:
     """For a model (partly) built on the meta device at stage 3, before the engine allocates any
     unit: allocates the meta buffers, checks that every module on the meta device can be
-    initialized (an error then leaves nothing half-built), moves what was built whole beside it (a
-    backbone built in __init__) to ``device`` with rank 0's values over ``group`` (None: one rank),
-    as a model built whole is; returns the per-module ``init`` the engine runs as it materializes."""
+    initialized (an error then leaves nothing half-built; not where the values come from pieces,
+    ``check_resettable=False``), moves what was built whole beside it (a backbone built in
+    __init__) to ``device`` with rank 0's values over ``group`` (None: one rank), as a model built
+    whole is; returns the per-module ``init`` the engine runs as it materializes."""
     unfilled = _materialize_meta_buffers(module, device)
-    for name, submodule in module.named_modules():
-        _check_resettable(submodule, name)
+    if check_resettable:
+        for name, submodule in module.named_modules():
+            _check_resettable(submodule, name)
     meta = frozenset(p for p in module.parameters() if p.is_meta)
     with torch.no_grad():
         for param in module.parameters():

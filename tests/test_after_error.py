@@ -1,6 +1,8 @@
 """A stage-3 run stopped by an error (raised on every rank) leaves each rank's piece of every
-parameter; gather_after_error, or the module's next fit, gathers them back whole, so catching the
-error and going on behaves as under DDP ([Note: pieces after an error] in strategy.py). 2 gloo ranks."""
+parameter; gather_after_error gathers them back whole, and the module's next stage-3 run builds
+its engine from them unit by unit, so catching the error and going on behaves as under DDP
+([Note: pieces after an error] in strategy.py, [Note: re-sharding a module left in pieces] in
+zero/stage3/engine.py). 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -39,9 +41,12 @@ def _run(make: Any, precision: str, explicit: bool) -> dict[str, Any]:
     gathered = gather_after_error(module) if explicit else None
     whole_after_error = params_of(module) if explicit else None
     module.fail = False
+    before = dict(module.named_parameters())
     fit(module, make(), WORLD, steps=3, precision=precision)
+    # re-sharding replaces the parameter objects (as a build on the meta device does); a gather keeps them
+    same_objects = all(param is before[name] for name, param in module.named_parameters())
     return {"shapes_after_error": after_error, "gathered": gathered, "whole_after_error": whole_after_error,
-            "final": params_of(module), "again": gather_after_error(module)}
+            "final": params_of(module), "again": gather_after_error(module), "same_objects": same_objects}
 
 
 class FailsMidBackward(TinyGPT):
@@ -72,12 +77,44 @@ def _mid_backward(make: Any) -> dict[str, Any]:
     return {"shapes": {n: tuple(p.shape) for n, p in module.named_parameters()}, "final": params_of(module)}
 
 
-def _two_steps(make: Any, precision: str) -> dict[str, Tensor]:
-    """What the module holds after a run that ended normally after the two steps the failing one took."""
+def _two_steps(make: Any, precision: str) -> dict[str, Any]:
+    """What the module holds after a run that ended normally after the two steps the failing one
+    took, and its validation loss."""
     torch.manual_seed(0)
     module = FailsAtStep2()
-    fit(module, make(), WORLD, steps=2, precision=precision)
-    return params_of(module)
+    trainer = fit(module, make(), WORLD, steps=2, precision=precision)
+    with launched_environment():
+        metrics = trainer.validate(module, dataloaders=loader(samples=32), verbose=False)
+    return {"params": params_of(module), "val_loss": metrics[0]["val_loss"]}
+
+
+def _setup_fails(make: Any) -> dict[str, Any]:
+    """An error while the next fit builds its engine from the pieces: they stay the module's."""
+    import lightning_zero.strategy as strategy_module
+
+    torch.manual_seed(0)
+    module = FailsAtStep2()
+    try:
+        fit(module, make(), WORLD, steps=5)
+    except ValueError:
+        pass
+    pieces = params_of(module)
+    build = strategy_module.make_engine
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the engine could not be built")
+
+    strategy_module.make_engine = fails
+    try:
+        fit(module, make(), WORLD, steps=3)
+        failed = None
+    except RuntimeError as error:
+        failed = str(error)
+    finally:
+        strategy_module.make_engine = build
+    kept = params_of(module)
+    return {"failed": failed, "kept": all(torch.equal(kept[k], pieces[k]) for k in pieces) and kept.keys() == pieces.keys(),
+            "gathered": gather_after_error(module), "whole": params_of(module)}
 
 
 def _short_of_memory(make: Any, directory: str) -> dict[str, Any]:
@@ -97,10 +134,17 @@ def _short_of_memory(make: Any, directory: str) -> dict[str, Any]:
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     with launched_environment():
         trainer.save_checkpoint(f"{directory}/in_pieces.ckpt")  # the engine still reads its masters
-    # The next fit of the module would gather it whole first: refused while memory is still short.
+    # While memory is still short: a stage-3 run builds its engine from the pieces, never whole,
+    # and leaves them again; a stage-2 run would gather the module whole first, and is refused.
     strategy_module.host_memory_available = lambda: 2**10
     try:
-        fit(module, make(), WORLD, steps=3)
+        with launched_environment(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            validating = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=make(), logger=False,
+                                    enable_progress_bar=False, enable_model_summary=False)
+            val_loss = validating.validate(module, dataloaders=loader(samples=32), verbose=False)[0]["val_loss"]
+        shapes_after_validate = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        fit(module, ZeroStrategy(config=ZeroConfig(stage=2)), WORLD, steps=3)
         refused = None
     except RuntimeError as error:
         refused = str(error)
@@ -113,6 +157,7 @@ def _short_of_memory(make: Any, directory: str) -> dict[str, Any]:
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
         loaded.fit(resumed, train_dataloaders=loader(), ckpt_path=f"{directory}/in_pieces.ckpt")  # resumes at step 2: no step
     return {"shapes": shapes, "gathered": gathered, "whole": params_of(module), "loaded": params_of(resumed), "refused": refused,
+            "val_loss": val_loss, "shapes_after_validate": shapes_after_validate,
             "warnings": [str(w.message) for w in caught if "not handed back whole" in str(w.message)]}
 
 
@@ -124,7 +169,10 @@ def _cases(directory: str) -> dict[str, Any]:
         "ddp": _run(lambda: "ddp", "32-true", explicit=True),
         "zero3": _run(stage3, "32-true", explicit=True),
         "zero3_next_fit": _run(stage3, "32-true", explicit=False),
+        "zero3_next_fit_one_unit": _run(lambda: ZeroStrategy(config=ZeroConfig(stage=3)), "32-true", explicit=False),
         "zero3_bf16": _run(stage3, "bf16-mixed", explicit=True),
+        "zero3_bf16_next_fit": _run(stage3, "bf16-mixed", explicit=False),
+        "zero3_setup_fails": _setup_fails(stage3),
         "zero3_bf16_two_steps": _two_steps(stage3, "bf16-mixed"),
         "zero3_mid_backward": _mid_backward(stage3),
     }
@@ -153,15 +201,31 @@ def test_gather_after_error_hands_back_what_ddp_holds(ranks: list[dict[str, Any]
 def test_after_a_mixed_precision_error_the_fp32_masters_come_back(ranks: list[dict[str, Any]]) -> None:
     """As the teardown of a run that ended there would hand them back: fp32, from the masters."""
     for rank in ranks:
-        whole, ended = rank["zero3_bf16"]["whole_after_error"], rank["zero3_bf16_two_steps"]
+        whole, ended = rank["zero3_bf16"]["whole_after_error"], rank["zero3_bf16_two_steps"]["params"]
         assert whole.keys() == ended.keys()
         assert all(whole[k].dtype == torch.float32 and torch.equal(whole[k], ended[k]) for k in whole)
 
 
-def test_the_next_fit_gathers_the_pieces_first(ranks: list[dict[str, Any]]) -> None:
+def test_the_next_fit_builds_its_engine_from_the_pieces(ranks: list[dict[str, Any]]) -> None:
+    """Exactly what gathering them whole first gives: same units or others, fp32 or from the
+    bf16-mixed run's fp32 masters."""
     for rank in ranks:
-        assert rank["zero3_next_fit"]["gathered"] is None
+        for resharded, gathered in (("zero3_next_fit", "zero3"), ("zero3_next_fit_one_unit", "zero3"),
+                                    ("zero3_bf16_next_fit", "zero3_bf16")):
+            assert rank[resharded]["gathered"] is None and rank[resharded]["again"] is False
+            assert rank[resharded]["same_objects"] is False and rank[gathered]["same_objects"] is True
+            final, expected = rank[resharded]["final"], rank[gathered]["final"]
+            assert final.keys() == expected.keys()
+            assert all(torch.equal(final[k], expected[k]) for k in final), resharded
         assert _close(rank["zero3_next_fit"]["final"], rank["ddp"]["final"], 1e-5)
+
+
+def test_a_failed_re_shard_leaves_the_pieces(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        case = rank["zero3_setup_fails"]
+        assert case["failed"] == "the engine could not be built"
+        assert case["kept"] is True and case["gathered"] is True
+        assert _close(case["whole"], rank["ddp"]["whole_after_error"], 1e-5)
 
 
 def test_an_error_inside_backward_leaves_a_module_the_next_fit_takes(ranks: list[dict[str, Any]]) -> None:
@@ -173,17 +237,21 @@ def test_an_error_inside_backward_leaves_a_module_the_next_fit_takes(ranks: list
 
 def test_a_module_the_host_cannot_take_whole_stays_in_pieces_and_is_not_lost(ranks: list[dict[str, Any]]) -> None:
     """[Note: a hand-back that does not fit]: with too little host memory for every rank's whole
-    copy, teardown leaves the pieces (every rank agreeing) and says why; a checkpoint saved after
+    copy, teardown leaves the pieces (every rank agreeing) and says why; a next stage-3 run uses
+    them as they are (and leaves them again), a stage-2 run is refused; a checkpoint saved after
     fit holds the trained weights, and gather_after_error gives them whole."""
     warned = ranks[0]["zero3_short_of_memory"]["warnings"]
     assert len(warned) == 1 and "FailsAtStep2 is not handed back whole: it takes" in warned[0]
     assert "on each of this node's 2 rank(s)" in warned[0] and "of the 1.0 KiB of host memory available" in warned[0]
     assert ranks[1]["zero3_short_of_memory"]["warnings"] == []  # said once, by rank 0
     for rank in ranks:
-        case, ended = rank["zero3_short_of_memory"], rank["zero3_fp32_two_steps"]
+        case, ended = rank["zero3_short_of_memory"], rank["zero3_fp32_two_steps"]["params"]
         assert case["shapes"] != {name: tuple(value.shape) for name, value in ended.items()}  # the pieces: 1-d
+        assert case["val_loss"] == rank["zero3_fp32_two_steps"]["val_loss"]
+        assert case["shapes_after_validate"] == case["shapes"]
         assert case["refused"] is not None and "FailsAtStep2 is still each rank's pieces" in case["refused"]
-        assert "Give trainer.fit/validate/test/predict a fresh module and the checkpoint" in case["refused"]
+        assert "this run (ZeRO stage 2) cannot take it: it would gather it whole first" in case["refused"]
+        assert "A plain stage-3 run (e.g. strategy='zero3') takes the pieces as they are" in case["refused"]
         assert case["gathered"] is True
         assert case["whole"].keys() == ended.keys() == case["loaded"].keys()
         assert all(torch.equal(case["whole"][k], ended[k]) and torch.equal(case["loaded"][k], ended[k]) for k in ended)

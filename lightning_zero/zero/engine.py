@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.layout import ParamPiece
+
+if TYPE_CHECKING:
+    from lightning_zero.zero.stage3 import PiecesSource
 
 
 @runtime_checkable
@@ -141,11 +144,12 @@ def make_engine(
     param_dtype: torch.dtype | None,
     device: torch.device,
     init: Callable[[nn.Module], None] | None = None,
+    source: PiecesSource | None = None,
 ) -> ZeroEngine:
     """The engine for ``config.stage``, with the parameters in place: at stage 3 sharded (from
-    their real values, or, for a module on the meta device, materialized unit by unit with
-    ``init``) and hooked; at stages 1/2 whole (each optimizer's buffers come with
-    ``wrap_optimizer``)."""
+    their real values; for a module on the meta device, materialized unit by unit with ``init``,
+    or taken unit by unit from the pieces another engine holds, ``source``) and hooked; at stages
+    1/2 whole (each optimizer's buffers come with ``wrap_optimizer``)."""
     if config.stage != 3:
         from lightning_zero.zero.flat import FlatEngine
 
@@ -153,7 +157,9 @@ def make_engine(
     from lightning_zero.zero.stage3 import Zero3Engine
 
     engine = Zero3Engine(module, collectives, config, param_dtype, device)
-    if init is not None:
+    if source is not None:
+        engine.shard_from(source)
+    elif init is not None:
         engine.materialize_and_shard(init)
     else:
         engine.shard()

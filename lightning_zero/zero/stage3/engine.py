@@ -173,6 +173,25 @@ class Zero3Engine(Zero3Hooks):
                     self._track_memory()
         self.phase = Phase.IDLE
 
+    def shard_from(self, source: PiecesSource) -> None:
+        """Takes every parameter's value from another engine's pieces of the same module, unit by
+        unit (see [Note: re-sharding a module left in pieces]): the full model never exists on any
+        rank."""
+        unset = [sp.name for sp in self.sharded_params.values() if sp.param in self._from_meta
+                 and sp.name not in source.taken_names]
+        if unset:  # before any collective; every rank has the same module
+            raise ValueError(
+                f"Parameters {unset[:5]} are on the meta device, but this module is being re-sharded from the pieces"
+                " an earlier run left, which hold no value for them. Build them with real values (or gather the"
+                " module first: lightning_zero.gather_after_error(module) on every rank).")
+        for unit in self.units:
+            unit.take_shards_from_params(source.values_for(unit))
+            source.consumed(unit)
+            unit.free()
+            self._track_memory()
+        source.close()
+        self.phase = Phase.IDLE
+
     def _track_memory(self) -> None:
         live = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         live += sum(u.full.untyped_storage().nbytes() for u in self.units)
@@ -223,10 +242,23 @@ class Zero3Engine(Zero3Hooks):
                 self._start_gather(unit, _GatherFor.REFRESH)
                 unit.finish_gather()
 
+    @staticmethod
+    def handed_back_dtype(sp: ShardedParam, from_master: bool) -> torch.dtype:
+        """The dtype ``gather_to_cpu(from_master)`` hands ``sp`` back in."""
+        return sp.built_dtype if from_master and sp.unit.master is not sp.unit.shard else sp.unit.param_dtype
+
     def whole_bytes(self, from_master: bool) -> int:
         """Bytes of every parameter whole, as ``gather_to_cpu(from_master)`` would hand them back."""
-        return sum(sp.numel * (sp.built_dtype if from_master and unit.master is not unit.shard else unit.param_dtype).itemsize
-                   for unit in self.units for sp in unit.params)
+        return sum(sp.numel * self.handed_back_dtype(sp, from_master).itemsize for sp in self.sharded_params.values())
+
+    def whole_values(self, unit: ShardedUnit, from_master: bool) -> dict[ShardedParam, Tensor]:
+        """Each parameter of ``unit`` whole, on the training device (a collective): with
+        ``from_master``, its master values (fresh tensors); else the unit is acquired and the values
+        are views of its full buffer, valid until the caller releases it."""
+        if from_master and unit.master is not unit.shard:
+            return unit.gather_master_values(self.collectives)
+        self.acquire(unit)
+        return {sp: sp.param.detach() for sp in unit.params}
 
     @torch.no_grad()
     def gather_to_cpu(self, from_master: bool) -> None:
@@ -236,12 +268,8 @@ class Zero3Engine(Zero3Hooks):
         self._enter("gather_to_cpu")
         self.absorb_writes(through_data=True)
         for unit in self.units:
-            if from_master and unit.master is not unit.shard:
-                values = {sp: value.to("cpu", dtype=sp.built_dtype, copy=True)
-                          for sp, value in unit.gather_master_values(self.collectives).items()}
-            else:
-                self.acquire(unit)
-                values = {sp: sp.param.detach().to("cpu", copy=True) for sp in unit.params}
+            values = {sp: value.to("cpu", dtype=self.handed_back_dtype(sp, from_master), copy=True)
+                      for sp, value in self.whole_values(unit, from_master).items()}
             unit.refcount = 0
             unit.persistent = False
             unit.free()
@@ -391,3 +419,92 @@ class Zero3Engine(Zero3Hooks):
             if key in buffers:
                 buffer.copy_(buffers[key])
 
+
+
+# [Note: re-sharding a module left in pieces]
+# After an error, or a hand-back the host could not hold ([Note: pieces after an error] and [Note:
+# a hand-back that does not fit] in strategy.py), a module's parameters are each rank's pieces and
+# the engine that cut them is kept beside it. The next stage-3 setup of that module builds its new
+# engine from those pieces instead of gathering the module whole first: the module's parameters
+# become meta parameters of their true shapes (as if built in configure_model), the new engine
+# lays its units out over them, and each new unit takes its values from the old engine's units,
+# gathered one at a time (a collective per old unit, in the new units' order, the same on every
+# rank) and released once all their parameters are taken. At most an old unit and a new unit are
+# whole at once, so a module the host cannot hold whole trains, validates or predicts again, and
+# any change of unit layout, precision or offload between the runs is just a different new layout.
+# -mixed runs take the fp32 masters, so training goes on exactly as if never interrupted.
+
+
+class PiecesSource:
+    """A module whose parameters another engine holds in pieces, taken for re-sharding (see [Note:
+    re-sharding a module left in pieces]): on construction each of the module's parameters that
+    the engine holds becomes a meta parameter of its true shape; a new engine built over the module
+    then reads the whole values from the old engine, one of its units at a time (a collective per
+    old unit: every rank must ask for the same units in the same order). ``put_back`` restores the
+    pieces where the new engine could not be built."""
+
+    def __init__(self, engine: Zero3Engine, from_master: bool) -> None:
+        """
+        Args:
+            engine: the engine whose units hold this rank's pieces of its module.
+            from_master: read the fp32 masters (after -mixed training) rather than the shards.
+        """
+        engine._enter("re-sharding")
+        engine.absorb_writes(through_data=True)  # writes through .data into the pieces are kept
+        self.engine = engine
+        self.from_master = from_master
+        self.by_name: dict[str, ShardedParam] = {sp.name: sp for sp in engine.sharded_params.values()}
+        self._open: dict[ShardedUnit, dict[ShardedParam, Tensor]] = {}  # old unit -> values still to take
+        # every place a parameter is registered (ties included), to put the pieces back there
+        self._registrations = [(submodule, name, param) for submodule in engine.module.modules()
+                               for name, param in submodule._parameters.items() if param is not None]
+        meta: dict[nn.Parameter, nn.Parameter] = {}
+        for submodule, name, param in self._registrations:
+            sp = engine.sharded_params.get(param)
+            if sp is None:
+                continue  # replaced since (a new head): the new engine takes its own value
+            if param not in meta:
+                dtype = Zero3Engine.handed_back_dtype(sp, from_master)
+                meta[param] = nn.Parameter(torch.empty(sp.shape, dtype=dtype, device="meta"),
+                                           requires_grad=param.requires_grad)
+            submodule._parameters[name] = meta[param]
+        taken = set(meta.values())
+        self.taken_names = frozenset(name for name, param in engine.module.named_parameters() if param in taken)
+
+    def put_back(self) -> None:
+        """Registers the pieces again where the meta parameters stand (before a new engine took any)."""
+        for submodule, name, param in self._registrations:
+            submodule._parameters[name] = param
+
+    @torch.no_grad()
+    def values_for(self, unit: ShardedUnit) -> dict[ShardedParam, Tensor]:
+        """The whole value of each parameter of the new ``unit`` that was taken from the pieces
+        (gathering the old units needed); the others keep their own."""
+        values: dict[ShardedParam, Tensor] = {}
+        for sp in unit.params:
+            if sp.name not in self.taken_names:
+                continue
+            old = self.by_name[sp.name]
+            if old.unit not in self._open:
+                self._open[old.unit] = self.engine.whole_values(old.unit, self.from_master)
+            values[sp] = self._open[old.unit][old]
+        return values
+
+    def consumed(self, unit: ShardedUnit) -> None:
+        """The new ``unit`` holds its values: old units none of whose values are left go."""
+        for sp in unit.params:
+            old = self.by_name.get(sp.name)
+            left = self._open.get(old.unit) if old is not None else None
+            if left is not None:
+                left.pop(old, None)
+                if not left:
+                    self._release(old.unit)
+
+    def close(self) -> None:
+        for old_unit in list(self._open):
+            self._release(old_unit)
+
+    def _release(self, old_unit: ShardedUnit) -> None:
+        del self._open[old_unit]
+        if old_unit.refcount > 0:  # acquired by whole_values (values read from the shards)
+            self.engine.release(old_unit)

@@ -56,7 +56,7 @@ and reach the shard only (at fp32 without offload the shard is the master, so th
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -258,14 +258,16 @@ class ShardedUnit:
         return self.full.numel() * self.full.element_size()
 
     # ------------------------------------------------------------------ set-up
-    def take_shards_from_params(self) -> None:
-        """Copies each parameter's current (full, real) value into its piece and the master, then
-        points the parameter at the unit's full buffer (left allocated: the caller frees it)."""
+    def take_shards_from_params(self, values: Mapping[ShardedParam, Tensor] | None = None) -> None:
+        """Copies each parameter's current (full, real) value, or its whole value in ``values`` where
+        it has one there, into its piece and the master, then points the parameter at the unit's
+        full buffer (left allocated: the caller frees it)."""
         self._resize_full(self.full.numel())
         self.state = UnitState.GATHERED
         with torch.no_grad():
             for sp in self.params:
-                padded = sp.padded(sp.param.detach(), self.master_dtype, self.device)
+                value = values[sp] if values is not None and sp in values else sp.param.detach()
+                padded = sp.padded(value, self.master_dtype, self.device)
                 piece = sp.own_piece(padded)
                 sp.shard.copy_(piece)
                 if self.master is not self.shard and sp.has_master:

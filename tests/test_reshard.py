@@ -1,0 +1,143 @@
+"""A stage-3 engine built from the pieces another engine left ([Note: re-sharding a module left in
+pieces] in zero/stage3/engine.py), in one process and without a Trainer: the values (the fp32
+masters after -mixed training) arrive exactly whatever the new unit layout, precision or offload,
+each old unit is gathered once and released as soon as the new units hold its values, and what
+cannot be re-sharded is refused before any collective with the pieces put back. The 2-rank runs
+through the Trainer are in test_after_error.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zero import CPUOffloadPolicy, ZeroConfig
+from lightning_zero.zero.comm import Collectives, CountingCollectives
+from lightning_zero.zero.engine import make_engine
+from lightning_zero.zero.stage3 import PiecesSource, Zero3Engine, Zero3Optimizer
+
+CPU = torch.device("cpu")
+PER_LAYER = ZeroConfig(stage=3, min_unit_numel=1, param_persistence_threshold=0, prefetch_units=0)
+ONE_UNIT = ZeroConfig(stage=3, param_persistence_threshold=0, prefetch_units=0)  # min_unit_numel 1M: the root only
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_rank_group() -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.skip("needs no process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model[4].weight = model[0].weight  # tied: one parameter registered twice
+    return model
+
+
+def _trained(config: ZeroConfig, param_dtype: torch.dtype | None) -> tuple[nn.Module, Zero3Engine]:
+    """An engine after two optimizer steps, its hooks removed as a teardown after an error leaves it."""
+    model = _model()
+    engine = make_engine(model, CountingCollectives(Collectives()), config, param_dtype, CPU)
+    assert isinstance(engine, Zero3Engine)
+    optimizer = Zero3Optimizer(torch.optim.AdamW(model.parameters(), lr=0.1), engine, config)
+    for _ in range(2):
+        batch = torch.randn(4, 8, dtype=param_dtype or torch.float32)
+        model(batch).float().pow(2).sum().backward()
+        engine.end_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.remove_hooks()
+    return model, engine
+
+
+def _whole_masters(engine: Zero3Engine) -> dict[str, Tensor]:
+    return {sp.name: value.clone() for unit in engine.units
+            for sp, value in unit.gather_master_values(engine.collectives).items()}
+
+
+def _gathers(engine: Zero3Engine) -> int:
+    collectives = engine.collectives
+    assert isinstance(collectives, CountingCollectives)
+    return sum(1 for call in collectives.calls if call.op == "all_gather")
+
+
+@pytest.mark.parametrize(("old_config", "new_config", "offload"), [
+    (PER_LAYER, PER_LAYER, False), (PER_LAYER, ONE_UNIT, False), (ONE_UNIT, PER_LAYER, True),
+], ids=["same-units", "finer-to-one", "one-to-finer-offloaded"])
+def test_the_new_engine_holds_the_old_masters_exactly(old_config: ZeroConfig, new_config: ZeroConfig,
+                                                      offload: bool) -> None:
+    model, old = _trained(old_config, torch.bfloat16)
+    masters = _whole_masters(old)
+    assert any(not torch.equal(value, value.bfloat16().float()) for value in masters.values())  # not bf16 values
+    before = _gathers(old)
+    opened: list[int] = []
+    whole_values = old.whole_values
+
+    def counted(unit: object, from_master: bool) -> dict:
+        opened.append(len(source._open) + 1)
+        return whole_values(unit, from_master)  # type: ignore[arg-type]
+
+    old.whole_values = counted  # type: ignore[method-assign]
+    source = PiecesSource(old, from_master=True)
+    assert all(p.is_meta and p.dtype == torch.float32 for p in model.parameters())  # true shapes, as built
+    assert model[4].weight is model[0].weight
+    if offload:
+        new_config = ZeroConfig(**{**new_config.__dict__, "offload_optimizer": CPUOffloadPolicy(pin_memory=False)})
+    new = make_engine(model, CountingCollectives(Collectives()), new_config, torch.bfloat16, CPU, source=source)
+    assert isinstance(new, Zero3Engine)
+    assert len(new.units) == (1 if new_config.min_unit_numel > 1 else 3)
+    assert _gathers(old) - before == len(old.units)  # each old unit once
+    if new_config is PER_LAYER and old_config is PER_LAYER:
+        assert max(opened) == 1  # each released before the next is gathered
+    assert all(unit.full.untyped_storage().nbytes() == 0 for unit in old.units + new.units)
+    assert model[4].weight is model[0].weight and not any(p.is_meta for p in model.parameters())
+    mine = _whole_masters(new)
+    assert mine.keys() == masters.keys()
+    assert all(torch.equal(mine[name], masters[name]) for name in masters)
+    for unit in new.units:
+        for sp in unit.params:
+            assert torch.equal(sp.shard.reshape(-1)[: sp.numel], masters[sp.name].reshape(-1).bfloat16())
+
+
+def test_without_masters_the_shards_are_taken_in_their_dtype() -> None:
+    """32-true: the shards are the values; a new run in bf16-mixed takes them as its fp32 masters."""
+    model, old = _trained(PER_LAYER, None)
+    values = _whole_masters(old)
+    source = PiecesSource(old, from_master=False)
+    new = make_engine(model, CountingCollectives(Collectives()), ONE_UNIT, torch.bfloat16, CPU, source=source)
+    assert isinstance(new, Zero3Engine)
+    mine = _whole_masters(new)
+    assert all(torch.equal(mine[name], values[name]) for name in values)
+
+
+def test_a_replaced_parameter_keeps_its_new_value_and_a_meta_one_is_refused() -> None:
+    model, old = _trained(PER_LAYER, None)
+    values = _whole_masters(old)
+    head = nn.Linear(8, 8)
+    model[2] = head  # a new layer set after the error: its own values, not the old pieces'
+    fresh = {"2.weight": head.weight.detach().clone(), "2.bias": head.bias.detach().clone()}
+    source = PiecesSource(old, from_master=False)
+    assert not head.weight.is_meta
+    new = make_engine(model, CountingCollectives(Collectives()), PER_LAYER, None, CPU, source=source)
+    assert isinstance(new, Zero3Engine)
+    mine = _whole_masters(new)
+    assert all(torch.equal(mine[name], fresh.get(name, values[name])) for name in values)
+
+    model, old = _trained(PER_LAYER, None)
+    pieces = {name: p for name, p in model.named_parameters()}
+    with torch.device("meta"):
+        model[2] = nn.Linear(8, 8)  # nothing holds a value for these
+    source = PiecesSource(old, from_master=False)
+    before = _gathers(old)
+    with pytest.raises(ValueError, match=r"Parameters \['2.weight', '2.bias'\] are on the meta device"):
+        make_engine(model, CountingCollectives(Collectives()), PER_LAYER, None, CPU, source=source)
+    assert _gathers(old) == before
+    source.put_back()
+    assert all(p is pieces[name] for name, p in model.named_parameters() if not name.startswith("2."))
+    assert all(p.is_meta for p in model[2].parameters())  # the user's own, as they were
