@@ -3,6 +3,7 @@ activation probe, its errors and the `lightning-zero estimate` command."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,14 @@ def test_frozen_parameters_are_held_not_trained() -> None:
         assert fp32_base.device.optimizer_states - bf16_base.device.optimizer_states == 4 * -(-held // n)
         assert (bf16_base.device.params, bf16_base.device.grads) == (fp32_base.device.params, fp32_base.device.grads)
     assert estimate_memory(in_bf16, n, blocks, "16-mixed") == estimate_memory(module, n, blocks, "16-mixed")
+    # Per piece: a frozen norm kept in fp32 beside that bf16 base (as Hugging Face's
+    # _keep_in_fp32_modules keeps them) has a master of its own, and the base still none.
+    norm_in_fp32 = copy.deepcopy(in_bf16)
+    norm_in_fp32.block.norm1.float()
+    kept = sum(p.numel() for p in norm_in_fp32.block.norm1.parameters())
+    with_norm, bf16_base = (estimate_memory(m, n, blocks, "bf16-mixed") for m in (norm_in_fp32, in_bf16))
+    assert with_norm.device.optimizer_states - bf16_base.device.optimizer_states == 4 * (
+        -(-(trained + kept) // n) - -(-trained // n))
     # At 32-true every parameter is held in its own dtype: an offloaded master (on the host, the
     # shard on the GPU) is the trained pieces' alone, as if nothing were frozen.
     offloaded = ZeroConfig(stage=3, unit_modules=("TransformerEncoderLayer",), param_persistence_threshold=0,

@@ -1255,14 +1255,15 @@ def test_a_mixed_unit_reduces_and_holds_gradients_of_its_trained_pieces_only(wor
             assert torch.allclose(master, param.detach(), atol=1e-6), name
 
 
-def _lora_engine(base_dtype: torch.dtype, offload: bool) -> tuple[nn.Module, Zero3Engine, Zero3Optimizer]:
-    """Two adapted layers whose frozen base weights hold bf16 values, built in ``base_dtype``,
-    sharded at stage 3 in bf16 (bf16-mixed) on one rank."""
+def _lora_engine(base_dtype: torch.dtype, offload: bool, bias_dtype: torch.dtype | None = None,
+                 ) -> tuple[nn.Module, Zero3Engine, Zero3Optimizer]:
+    """Two adapted layers whose frozen base weights hold bf16 values, built in ``base_dtype`` (the
+    biases in ``bias_dtype``, by default the same), sharded at stage 3 in bf16 (bf16-mixed) on one rank."""
     torch.manual_seed(0)
     model = nn.Sequential(Adapted(9, 9), nn.ReLU(), Adapted(9, 9))
     for layer in (model[0], model[2]):
-        for param in layer.base.parameters():
-            param.data = param.data.to(torch.bfloat16).to(base_dtype)
+        for name, param in layer.base.named_parameters():
+            param.data = param.data.to(torch.bfloat16).to(bias_dtype or base_dtype if name == "bias" else base_dtype)
     offloaded = {"offload_optimizer": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     config = ZeroConfig(stage=3, unit_modules=("Adapted",), param_persistence_threshold=0, prefetch_units=0, **offloaded)
     engine = Zero3Engine(model, FakeCollectives(world_size=1), config, param_dtype=torch.bfloat16,  # type: ignore[arg-type]
@@ -1328,6 +1329,43 @@ def test_frozen_pieces_the_shard_holds_exactly_have_no_master(offload: bool, tmp
     assert all(torch.equal(in_bf16[name].float(), value) and value.dtype == torch.float32 for name, value in in_fp32.items())
     assert {name for name, value in in_bf16.items() if value.dtype == torch.bfloat16} == {
         name for name in in_bf16 if "base" in name}
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_a_frozen_piece_the_shard_would_round_keeps_its_master_beside_exact_ones(offload: bool) -> None:
+    """[Note: masters of frozen pieces], per piece: in a unit whose frozen bf16 weight keeps no
+    master, a frozen bias built in fp32 (as Hugging Face's _keep_in_fp32_modules keeps norms) keeps
+    its own, placed after the trained pieces; training and the hand-back are bit-identical to the
+    same values all built in fp32."""
+    mixed, kept = _lora_engine(torch.bfloat16, offload, bias_dtype=torch.float32), _lora_engine(torch.float32, offload)
+    units = [unit for unit in mixed[1].units if unit.trainable_count]
+    assert len(units) == 2
+    for unit in units:
+        rounded = [sp for sp in unit.params if not sp.trained and sp.built_dtype == torch.float32]
+        assert [sp.name.rpartition(".")[2] for sp in rounded] == ["bias"]
+        assert unit.master.numel() == unit.trained_numel + rounded[0].shard_numel
+        in_shard = sorted(unit.params, key=lambda sp: sp.shard_range.start)
+        assert [sp.name.rpartition(".")[2] for sp in in_shard] == ["down", "gate", "up", "bias", "weight"]
+        for sp in unit.params:
+            assert sp.has_master is (sp.trained or sp in rounded)
+    for _ in range(3):
+        batch = torch.randn(5, 9, dtype=torch.bfloat16)
+        for model, engine, optimizer in (mixed, kept):
+            model(batch).float().pow(2).sum().backward()
+            engine.end_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for mine, theirs in zip(mixed[1].units, kept[1].units):
+        mine_values = {sp.name: value for sp, value in mine.gather_master_values(mixed[1].collectives).items()}
+        theirs_values = {sp.name: value for sp, value in theirs.gather_master_values(kept[1].collectives).items()}
+        assert mine_values.keys() == theirs_values.keys()
+        assert all(torch.equal(mine_values[name], theirs_values[name]) for name in mine_values)
+    for _, engine, _ in (mixed, kept):
+        engine.gather_to_cpu(from_master=True)
+    in_mixed, in_fp32 = (dict(model.named_parameters()) for model, _, _ in (mixed, kept))
+    assert all(torch.equal(in_mixed[name].float(), value) for name, value in in_fp32.items())
+    assert {name for name, value in in_mixed.items() if value.dtype == torch.bfloat16} == {
+        name for name in in_mixed if name.endswith("base.weight")}
 
 
 class TwoLinears(nn.Module):

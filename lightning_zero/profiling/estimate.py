@@ -151,7 +151,7 @@ def estimate_memory(
     # Stage 3 shards the frozen parameters too, and keeps masters of those its shard would round
     # (see [Note: masters of frozen pieces]); master gradients are the trained ones' only.
     held_numel = numel + frozen if config.stage == 3 else numel
-    mastered = numel + _frozen_with_masters(model, config, precision, is_trained, frozen) if config.stage == 3 else numel
+    mastered = numel + _frozen_with_masters(model, precision, is_trained, frozen) if config.stage == 3 else numel
     shard, mastered_shard = math.ceil(numel / n), math.ceil(mastered / n)
     on_host, mastered_on_host = shard * offload_ratio, mastered_shard * offload_ratio
     on_device, mastered_on_device = shard - on_host, mastered_shard - mastered_on_host
@@ -242,27 +242,18 @@ def _persistent_numel(model: nn.Module | int, config: ZeroConfig) -> int:
     return sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.numel() < config.param_persistence_threshold)
 
 
-def _frozen_with_masters(model: nn.Module | int, config: ZeroConfig, precision: str,
-                         is_trained: Callable[[nn.Parameter], bool], frozen: int) -> int:
-    """Stage 3: the frozen elements that keep an fp32 master, those of units where some frozen
-    parameter is built in another dtype than the shard's (see [Note: masters of frozen pieces] in
-    zero/stage3/unit.py). At 32-true each parameter is held in its own dtype, so none; of a
-    parameter count under bf16/fp16 (built in fp32, presumably), all of them."""
+def _frozen_with_masters(model: nn.Module | int, precision: str, is_trained: Callable[[nn.Parameter], bool], frozen: int) -> int:
+    """Stage 3: the frozen elements that keep an fp32 master, those built in another dtype than the
+    shard's (see [Note: masters of frozen pieces] in zero/stage3/unit.py). At 32-true each
+    parameter is held in its own dtype, so none; of a parameter count under bf16/fp16 (built in
+    fp32, presumably), all of them."""
     held = PARAM_DTYPES[precision]
     if held is None:
         return 0
     if not isinstance(model, nn.Module):
         return frozen
-    frozen_of: dict[tuple[str | None, torch.dtype], int] = {}
-    inexact: set[tuple[str | None, torch.dtype]] = set()
-    for owner, param in _params_by_unit(model, config):
-        if is_trained(param):
-            continue
-        dtype = held_dtype(param.dtype, held)
-        frozen_of[(owner, dtype)] = frozen_of.get((owner, dtype), 0) + param.numel()
-        if param.dtype != dtype:
-            inexact.add((owner, dtype))
-    return sum(numel for key, numel in frozen_of.items() if key in inexact)
+    return sum(param.numel() for param in dict.fromkeys(model.parameters())
+               if not is_trained(param) and param.dtype != held_dtype(param.dtype, held))
 
 
 def _params_by_unit(model: nn.Module, config: ZeroConfig) -> Iterator[tuple[str | None, nn.Parameter]]:

@@ -26,15 +26,16 @@ the order within a shard.
 
 [Note: masters of frozen pieces]
 A frozen piece is never stepped: its master only keeps its value at the precision it was built
-in, which the low-precision shard would round (an fp32 base weight under bf16-mixed). Where every
-frozen parameter of a unit was built in the shard's own dtype (a base model loaded in bf16 for a
-LoRA fine-tune), the shard already holds those values exactly, and the unit's master spans the
-trained pieces only [T]: 4 bytes per frozen element and rank less. The frozen pieces are then read
+in, which the low-precision shard would round (an fp32 base weight under bf16-mixed). Where a
+frozen parameter was built in the shard's own dtype (a base model loaded in bf16 for a
+LoRA fine-tune), the shard already holds those values exactly, and the unit's master leaves them
+out: 4 bytes per such frozen element and rank less. The frozen pieces are then read
 from the shard wherever a master would be: ``gather_master_values`` (``full_state_dict``,
 hand-back) widens them exactly, and sharded checkpoints save them as the shard holds them, in its
-dtype (loading converts, either way). The rule is per unit: one frozen parameter built in another
-dtype (an fp32 norm kept beside a bf16 base) keeps the masters of all the unit's frozen pieces.
-The decision depends on dtypes only, so every rank makes the same one.
+dtype (loading converts, either way). The rule is per piece: in the shard, after the trained
+pieces, come the frozen pieces the shard would round (an fp32 norm kept beside a bf16 base, as
+Hugging Face's ``_keep_in_fp32_modules`` does), then those it holds exactly, and the master spans
+the first two [T + R]. The decision depends on dtypes only, so every rank makes the same one.
 
 [Note: a stage-3 parameter outside its gather]
 While its unit is gathered a parameter has its true shape and value. Otherwise it is this rank's
@@ -125,7 +126,7 @@ class ShardedParam:
     def has_master(self) -> bool:
         """Whether its piece lies in the unit's master: trained pieces always, frozen ones unless the
         shard holds them exactly (see [Note: masters of frozen pieces])."""
-        return self.trained or self.unit.master_numel == self.unit.shard_numel
+        return self.shard_range.end <= self.unit.master_numel  # the master spans a prefix of the shard
 
     @property
     def master(self) -> Tensor:
@@ -197,11 +198,16 @@ class ShardedUnit:
         self.persistent = persistent
         self.params: list[ShardedParam] = []
         shard_numels = [round_up(param.numel(), world_size) // world_size for _, param in named_params]
-        # Trained pieces first in the shard (see [Note: trained pieces first]).
-        trained_first = sorted(range(len(named_params)), key=lambda position: not named_params[position][1].requires_grad)
+        # Trained pieces first in the shard (see [Note: trained pieces first]), then the frozen ones
+        # the shard would round, then those it holds exactly (see [Note: masters of frozen pieces]).
+        def place(position: int) -> int:
+            param = named_params[position][1]
+            return 0 if param.requires_grad else 1 if param.dtype != param_dtype else 2
+
+        in_shard_order = sorted(range(len(named_params)), key=place)
         shard_starts = [0] * len(named_params)
         shard_offset = 0
-        for position in trained_first:
+        for position in in_shard_order:
             shard_starts[position] = shard_offset
             shard_offset += shard_numels[position]
         full_offset = 0
@@ -226,10 +232,10 @@ class ShardedUnit:
         # fp32 masters, or the parameters' own dtype where it is wider (float64 keeps its precision)
         self.master_dtype = master_dtype(param_dtype)
         same = param_dtype == self.master_dtype and master_device == shard_device
-        # The master spans the frozen pieces too, unless the shard holds them exactly (see [Note:
+        # The master spans the frozen pieces too, but for those the shard holds exactly (see [Note:
         # masters of frozen pieces]): checkpoints read the frozen weights from it, at full precision.
-        frozen_exact = all(param.dtype == param_dtype for _, param in named_params if not param.requires_grad)
-        self.master_numel = shard_offset if same or not frozen_exact else self.trained_numel
+        rounded = sum(shard_numels[position] for position in range(len(named_params)) if place(position) == 1)
+        self.master_numel = shard_offset if same else self.trained_numel + rounded
         self.master = self.shard if same else _zeros(self.master_numel, self.master_dtype, master_device, pin)
         # The trained pieces' master gradient [T] (see [Note: trained pieces first]).
         self.master_grad = _zeros(self.trained_numel, self.master_dtype, master_device, pin)
