@@ -1469,6 +1469,8 @@ class _TakenPieces:
     def __init__(self, module: Module, engine: ZeroEngine, from_master: bool, for_memory: bool) -> None:
         assert isinstance(engine, Zero3Engine)  # only stage 3 leaves pieces
         self.source = PiecesSource(engine, from_master)
+        if from_master:
+            cast_norm_statistics(module, None)  # back in their weights' dtype, as a hand-back leaves them
         self.module = module
         self.entry = (engine, from_master, for_memory)
         del _PIECES_AFTER_ERROR[module]

@@ -77,6 +77,33 @@ def _mid_backward(make: Any) -> dict[str, Any]:
     return {"shapes": {n: tuple(p.shape) for n, p in module.named_parameters()}, "final": params_of(module)}
 
 
+class WithBatchNorm(FailsAtStep2):
+    """FailsAtStep2 with a batch norm over the embedding features (running statistics: buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_norm = torch.nn.BatchNorm1d(32)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return super().forward(tokens) + self.batch_norm(self.embed(tokens).transpose(1, 2)).mean()
+
+
+def _norm_statistics_after_mixed(make: Any) -> dict[str, Any]:
+    """A bf16-mixed run stopped by an error, then validated at 32-true from its pieces: the norm
+    statistics are back in their weights' dtype, as a hand-back leaves them."""
+    torch.manual_seed(0)
+    module = WithBatchNorm()
+    try:
+        fit(module, make(), WORLD, steps=5, precision="bf16-mixed")
+    except ValueError:
+        pass
+    with launched_environment():
+        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=make(), logger=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        val_loss = trainer.validate(module, dataloaders=loader(samples=32), verbose=False)[0]["val_loss"]
+    return {"val_loss": val_loss, "dtypes": {name: value.dtype for name, value in module.batch_norm.named_buffers()}}
+
+
 def _two_steps(make: Any, precision: str) -> dict[str, Any]:
     """What the module holds after a run that ended normally after the two steps the failing one
     took, and its validation loss."""
@@ -173,6 +200,7 @@ def _cases(directory: str) -> dict[str, Any]:
         "zero3_bf16": _run(stage3, "bf16-mixed", explicit=True),
         "zero3_bf16_next_fit": _run(stage3, "bf16-mixed", explicit=False),
         "zero3_setup_fails": _setup_fails(stage3),
+        "zero3_norm_statistics": _norm_statistics_after_mixed(stage3),
         "zero3_bf16_two_steps": _two_steps(stage3, "bf16-mixed"),
         "zero3_mid_backward": _mid_backward(stage3),
     }
@@ -218,6 +246,14 @@ def test_the_next_fit_builds_its_engine_from_the_pieces(ranks: list[dict[str, An
             assert final.keys() == expected.keys()
             assert all(torch.equal(final[k], expected[k]) for k in final), resharded
         assert _close(rank["zero3_next_fit"]["final"], rank["ddp"]["final"], 1e-5)
+
+
+def test_norm_statistics_come_back_in_their_weights_dtype_after_a_mixed_run(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        case = rank["zero3_norm_statistics"]
+        assert case["dtypes"] == {"running_mean": torch.float32, "running_var": torch.float32,
+                                  "num_batches_tracked": torch.int64}
+        assert torch.isfinite(torch.tensor(case["val_loss"]))
 
 
 def test_a_failed_re_shard_leaves_the_pieces(ranks: list[dict[str, Any]]) -> None:

@@ -1256,14 +1256,16 @@ def test_a_mixed_unit_reduces_and_holds_gradients_of_its_trained_pieces_only(wor
 
 
 def _lora_engine(base_dtype: torch.dtype, offload: bool, bias_dtype: torch.dtype | None = None,
-                 ) -> tuple[nn.Module, Zero3Engine, Zero3Optimizer]:
+                 bias_offset: float = 0.0) -> tuple[nn.Module, Zero3Engine, Zero3Optimizer]:
     """Two adapted layers whose frozen base weights hold bf16 values, built in ``base_dtype`` (the
-    biases in ``bias_dtype``, by default the same), sharded at stage 3 in bf16 (bf16-mixed) on one rank."""
+    biases in ``bias_dtype``, by default the same, plus ``bias_offset`` in that dtype), sharded at
+    stage 3 in bf16 (bf16-mixed) on one rank."""
     torch.manual_seed(0)
     model = nn.Sequential(Adapted(9, 9), nn.ReLU(), Adapted(9, 9))
     for layer in (model[0], model[2]):
         for name, param in layer.base.named_parameters():
-            param.data = param.data.to(torch.bfloat16).to(bias_dtype or base_dtype if name == "bias" else base_dtype)
+            dtype = bias_dtype or base_dtype if name == "bias" else base_dtype
+            param.data = param.data.to(torch.bfloat16).to(dtype) + (bias_offset if name == "bias" else 0.0)
     offloaded = {"offload_optimizer": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     config = ZeroConfig(stage=3, unit_modules=("Adapted",), param_persistence_threshold=0, prefetch_units=0, **offloaded)
     engine = Zero3Engine(model, FakeCollectives(world_size=1), config, param_dtype=torch.bfloat16,  # type: ignore[arg-type]
@@ -1337,7 +1339,9 @@ def test_a_frozen_piece_the_shard_would_round_keeps_its_master_beside_exact_ones
     master, a frozen bias built in fp32 (as Hugging Face's _keep_in_fp32_modules keeps norms) keeps
     its own, placed after the trained pieces; training and the hand-back are bit-identical to the
     same values all built in fp32."""
-    mixed, kept = _lora_engine(torch.bfloat16, offload, bias_dtype=torch.float32), _lora_engine(torch.float32, offload)
+    # fp32 biases bf16 cannot hold, in both: only a master keeps them
+    mixed = _lora_engine(torch.bfloat16, offload, bias_dtype=torch.float32, bias_offset=1e-4)
+    kept = _lora_engine(torch.float32, offload, bias_offset=1e-4)
     units = [unit for unit in mixed[1].units if unit.trainable_count]
     assert len(units) == 2
     for unit in units:
@@ -1366,6 +1370,8 @@ def test_a_frozen_piece_the_shard_would_round_keeps_its_master_beside_exact_ones
     assert all(torch.equal(in_mixed[name].float(), value) for name, value in in_fp32.items())
     assert {name for name, value in in_mixed.items() if value.dtype == torch.bfloat16} == {
         name for name in in_mixed if name.endswith("base.weight")}
+    bias = in_mixed["0.base.bias"]
+    assert bias.dtype == torch.float32 and not torch.equal(bias, bias.bfloat16().float())  # kept by its master
 
 
 class TwoLinears(nn.Module):

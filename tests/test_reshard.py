@@ -141,3 +141,89 @@ def test_a_replaced_parameter_keeps_its_new_value_and_a_meta_one_is_refused() ->
     source.put_back()
     assert all(p is pieces[name] for name, p in model.named_parameters() if not name.startswith("2."))
     assert all(p.is_meta for p in model[2].parameters())  # the user's own, as they were
+
+
+class Wrapped(nn.Module):
+    """Holds a layer as peft's LoRA layers hold theirs (``base_layer``): its parameters, renamed."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base_layer(x)
+
+
+class FailsInForward(nn.Linear):
+    fail = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fail:
+            raise ValueError("the user's error inside a unit's forward")
+        return super().forward(x)
+
+
+def test_parameters_are_matched_by_object_and_keep_their_attributes() -> None:
+    """A layer wrapped since the pieces were left (peft renames ``2.weight`` to
+    ``2.base_layer.weight``) takes its own values; attributes set on parameters survive."""
+    model, old = _trained(PER_LAYER, None)
+    values = _whole_masters(old)
+    model[2].weight._no_weight_decay = True  # type: ignore[attr-defined]
+    model[2] = Wrapped(model[2])
+    source = PiecesSource(old, from_master=False)
+    new = make_engine(model, CountingCollectives(Collectives()), PER_LAYER, None, CPU, source=source)
+    assert isinstance(new, Zero3Engine)
+    renamed = {name.replace("2.base_layer.", "2."): value for name, value in _whole_masters(new).items()}
+    assert renamed.keys() == values.keys() and all(torch.equal(renamed[k], values[k]) for k in values)
+    assert getattr(model[2].base_layer.weight, "_no_weight_decay", False) is True
+
+
+def test_old_units_still_held_or_persistent_are_freed() -> None:
+    """A unit an error left gathered inside its forward (still held), and a persistent unit, are
+    freed once the new engine holds their values, as the hand-back frees them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), FailsInForward(8, 8), nn.Linear(8, 2))
+    config = ZeroConfig(stage=3, min_unit_numel=1, param_persistence_threshold=3, prefetch_units=0)
+    old = make_engine(model, CountingCollectives(Collectives()), config, None, CPU)
+    assert isinstance(old, Zero3Engine)
+    with pytest.raises(ValueError, match="inside a unit's forward"):
+        model(torch.randn(2, 8))
+    old.remove_hooks()
+    held = [unit for unit in old.units if unit.refcount]
+    persistent = [unit for unit in old.units if unit.persistent]
+    assert held and persistent  # the failing layer's unit, and the head's 2-element bias
+    values = _whole_masters(old)
+    model[2].fail = False
+    new = make_engine(model, CountingCollectives(Collectives()), config, None, CPU,
+                      source=PiecesSource(old, from_master=False))
+    assert isinstance(new, Zero3Engine)
+    assert all(unit.refcount == 0 and unit.full.untyped_storage().nbytes() == 0 for unit in old.units)
+    mine = _whole_masters(new)
+    assert all(torch.equal(mine[name], values[name]) for name in values)
+
+
+def test_a_failure_while_re_sharding_frees_what_it_gathered_and_puts_the_pieces_back() -> None:
+    model, old = _trained(PER_LAYER, None)
+    pieces = dict(model.named_parameters())
+    values = _whole_masters(old)
+    source = PiecesSource(old, from_master=False)
+    taken = source.values_for
+
+    def fails_on_the_second_unit(unit: object) -> dict:
+        values = taken(unit)  # type: ignore[arg-type]
+        if any(sp.name.startswith("2.") for sp in unit.params):  # type: ignore[attr-defined]
+            assert any(old_unit.full.untyped_storage().nbytes() for old_unit in old.units)  # gathered, not yet taken
+            raise RuntimeError("out of memory")
+        return values
+
+    source.values_for = fails_on_the_second_unit  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        make_engine(model, CountingCollectives(Collectives()), PER_LAYER, None, CPU, source=source)
+    source.put_back()
+    assert all(param is pieces[name] for name, param in model.named_parameters())
+    assert all(unit.refcount == 0 and unit.full.untyped_storage().nbytes() == 0 for unit in old.units)
+    again = make_engine(model, CountingCollectives(Collectives()), ONE_UNIT, None, CPU,
+                        source=PiecesSource(old, from_master=False))
+    assert isinstance(again, Zero3Engine)
+    mine = _whole_masters(again)
+    assert all(torch.equal(mine[name], values[name]) for name in values)

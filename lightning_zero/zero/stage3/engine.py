@@ -24,6 +24,7 @@ from lightning_zero.zero.stage3.partition import (
     SmallUnitsWarning,
     build_units,
     check_dtypes,
+    param_like,
     replace_meta_params,
     small_units_message,
 )
@@ -178,7 +179,7 @@ class Zero3Engine(Zero3Hooks):
         unit (see [Note: re-sharding a module left in pieces]): the full model never exists on any
         rank."""
         unset = [sp.name for sp in self.sharded_params.values() if sp.param in self._from_meta
-                 and sp.name not in source.taken_names]
+                 and sp.name not in source.by_name]
         if unset:  # before any collective; every rank has the same module
             raise ValueError(
                 f"Parameters {unset[:5]} are on the meta device, but this module is being re-sharded from the pieces"
@@ -252,7 +253,8 @@ class Zero3Engine(Zero3Hooks):
         return sum(sp.numel * self.handed_back_dtype(sp, from_master).itemsize for sp in self.sharded_params.values())
 
     def whole_values(self, unit: ShardedUnit, from_master: bool) -> dict[ShardedParam, Tensor]:
-        """Each parameter of ``unit`` whole, on the training device (a collective): with
+        """Each parameter of ``unit`` whole, on the training device (a collective unless the unit
+        is whole already): with
         ``from_master``, its master values (fresh tensors); else the unit is acquired and the values
         are views of its full buffer, valid until the caller releases it."""
         if from_master and unit.master is not unit.shard:
@@ -424,15 +426,17 @@ class Zero3Engine(Zero3Hooks):
 # [Note: re-sharding a module left in pieces]
 # After an error, or a hand-back the host could not hold ([Note: pieces after an error] and [Note:
 # a hand-back that does not fit] in strategy.py), a module's parameters are each rank's pieces and
-# the engine that cut them is kept beside it. The next stage-3 setup of that module builds its new
-# engine from those pieces instead of gathering the module whole first: the module's parameters
-# become meta parameters of their true shapes (as if built in configure_model), the new engine
-# lays its units out over them, and each new unit takes its values from the old engine's units,
-# gathered one at a time (a collective per old unit, in the new units' order, the same on every
-# rank) and released once all their parameters are taken. At most an old unit and a new unit are
-# whole at once, so a module the host cannot hold whole trains, validates or predicts again, and
-# any change of unit layout, precision or offload between the runs is just a different new layout.
-# -mixed runs take the fp32 masters, so training goes on exactly as if never interrupted.
+# the engine that cut them is kept beside it. The next stage-3 setup of that module (without a
+# tensor or pipeline mesh) builds its new engine from those pieces instead of gathering the module
+# whole first: the module's parameters become meta parameters of their true shapes and dtypes (as
+# if built in configure_model, attributes kept), the new engine lays its units out over them, and
+# each new unit takes its values from the old engine's units, gathered as the new units need them
+# (a collective per old unit, in the new units' order, the same on every rank) and released once
+# all their parameters are taken. With the same units, at most one old and one new unit are whole
+# at once; a coarser new unit holds the old units it spans. So a module the host cannot hold whole
+# trains, validates or predicts again, and a change of unit layout, precision or offload between
+# the runs is just another new layout. -mixed runs take the fp32 masters (and norm statistics go
+# back to their weights' dtype, as a hand-back leaves them), so the result is that of gathering first.
 
 
 class PiecesSource:
@@ -440,8 +444,8 @@ class PiecesSource:
     re-sharding a module left in pieces]): on construction each of the module's parameters that
     the engine holds becomes a meta parameter of its true shape; a new engine built over the module
     then reads the whole values from the old engine, one of its units at a time (a collective per
-    old unit: every rank must ask for the same units in the same order). ``put_back`` restores the
-    pieces where the new engine could not be built."""
+    old unit that is not whole already: every rank asks for the same units in the same order).
+    ``put_back`` restores the pieces where the new engine could not be built."""
 
     def __init__(self, engine: Zero3Engine, from_master: bool) -> None:
         """
@@ -453,11 +457,10 @@ class PiecesSource:
         engine.absorb_writes(through_data=True)  # writes through .data into the pieces are kept
         self.engine = engine
         self.from_master = from_master
-        self.by_name: dict[str, ShardedParam] = {sp.name: sp for sp in engine.sharded_params.values()}
-        self._open: dict[ShardedUnit, dict[ShardedParam, Tensor]] = {}  # old unit -> values still to take
         # every place a parameter is registered (ties included), to put the pieces back there
         self._registrations = [(submodule, name, param) for submodule in engine.module.modules()
                                for name, param in submodule._parameters.items() if param is not None]
+        old_of: dict[nn.Parameter, ShardedParam] = {}  # meta parameter -> the piece it stands for
         meta: dict[nn.Parameter, nn.Parameter] = {}
         for submodule, name, param in self._registrations:
             sp = engine.sharded_params.get(param)
@@ -465,14 +468,17 @@ class PiecesSource:
                 continue  # replaced since (a new head): the new engine takes its own value
             if param not in meta:
                 dtype = Zero3Engine.handed_back_dtype(sp, from_master)
-                meta[param] = nn.Parameter(torch.empty(sp.shape, dtype=dtype, device="meta"),
-                                           requires_grad=param.requires_grad)
+                meta[param] = param_like(param, torch.empty(sp.shape, dtype=dtype, device="meta"))
+                old_of[meta[param]] = sp
             submodule._parameters[name] = meta[param]
-        taken = set(meta.values())
-        self.taken_names = frozenset(name for name, param in engine.module.named_parameters() if param in taken)
+        # By the names the parameters have now (a module wrapped since, e.g. by peft, renames them).
+        self.by_name: dict[str, ShardedParam] = {
+            name: old_of[param] for name, param in engine.module.named_parameters() if param in old_of}
+        self._open: dict[ShardedUnit, tuple[dict[ShardedParam, Tensor], set[ShardedParam]]] = {}  # values, still to take
 
     def put_back(self) -> None:
         """Registers the pieces again where the meta parameters stand (before a new engine took any)."""
+        self.close()
         for submodule, name, param in self._registrations:
             submodule._parameters[name] = param
 
@@ -481,30 +487,36 @@ class PiecesSource:
         """The whole value of each parameter of the new ``unit`` that was taken from the pieces
         (gathering the old units needed); the others keep their own."""
         values: dict[ShardedParam, Tensor] = {}
+        wanted = set(self.by_name.values())
         for sp in unit.params:
-            if sp.name not in self.taken_names:
+            old = self.by_name.get(sp.name)
+            if old is None:
                 continue
-            old = self.by_name[sp.name]
             if old.unit not in self._open:
-                self._open[old.unit] = self.engine.whole_values(old.unit, self.from_master)
-            values[sp] = self._open[old.unit][old]
+                self._open[old.unit] = (self.engine.whole_values(old.unit, self.from_master),
+                                        {piece for piece in old.unit.params if piece in wanted})
+            values[sp] = self._open[old.unit][0][old]
         return values
 
     def consumed(self, unit: ShardedUnit) -> None:
         """The new ``unit`` holds its values: old units none of whose values are left go."""
         for sp in unit.params:
             old = self.by_name.get(sp.name)
-            left = self._open.get(old.unit) if old is not None else None
-            if left is not None:
-                left.pop(old, None)
-                if not left:
+            entry = self._open.get(old.unit) if old is not None else None
+            if entry is not None:
+                entry[1].discard(old)
+                if not entry[1]:
                     self._release(old.unit)
 
     def close(self) -> None:
+        """Releases every old unit still open (all of them, once the new engine is built)."""
         for old_unit in list(self._open):
             self._release(old_unit)
 
     def _release(self, old_unit: ShardedUnit) -> None:
         del self._open[old_unit]
-        if old_unit.refcount > 0:  # acquired by whole_values (values read from the shards)
-            self.engine.release(old_unit)
+        # As gather_to_cpu does: whatever held it (a forward the error interrupted, persistence),
+        # the old engine is done with it.
+        old_unit.refcount = 0
+        old_unit.persistent = False
+        old_unit.free()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload import CPU, MasterPlacement
@@ -145,7 +145,7 @@ def replace_meta_params(module: nn.Module, units: Sequence[ShardedUnit]) -> set[
         unit.allocate()  # views can only be cut from an allocated buffer; freed right after
         for sp in unit.params:
             if sp.param.is_meta:
-                new = nn.Parameter(unit.view_of(sp), requires_grad=sp.param.requires_grad)
+                new = param_like(sp.param, unit.view_of(sp))
                 replaced[sp.param] = new
                 sp.param = new
         unit.free()
@@ -156,6 +156,14 @@ def replace_meta_params(module: nn.Module, units: Sequence[ShardedUnit]) -> set[
             if param is not None and param in replaced:
                 submodule._parameters[name] = replaced[param]
     return set(replaced.values())
+
+
+def param_like(param: nn.Parameter, data: Tensor) -> nn.Parameter:
+    """A parameter of ``param``'s class, ``requires_grad`` and attributes (``_no_weight_decay``, a
+    peft marker, ...) over ``data``, to stand in for it in the module."""
+    new = torch.Tensor._make_subclass(type(param), data, param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    return new
 
 
 def _unit_name(base: str, dtype: torch.dtype, first: torch.dtype | None) -> str:
