@@ -171,6 +171,12 @@ def _short_of_memory(make: Any, directory: str) -> dict[str, Any]:
                                     enable_progress_bar=False, enable_model_summary=False)
             val_loss = validating.validate(module, dataloaders=loader(samples=32), verbose=False)[0]["val_loss"]
         shapes_after_validate = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        try:  # the first Trainer's engine no longer holds the module
+            with launched_environment():
+                trainer.save_checkpoint(f"{directory}/stale.ckpt")
+            stale = None
+        except RuntimeError as error:
+            stale = str(error)
         fit(module, ZeroStrategy(config=ZeroConfig(stage=2)), WORLD, steps=3)
         refused = None
     except RuntimeError as error:
@@ -184,7 +190,7 @@ def _short_of_memory(make: Any, directory: str) -> dict[str, Any]:
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
         loaded.fit(resumed, train_dataloaders=loader(), ckpt_path=f"{directory}/in_pieces.ckpt")  # resumes at step 2: no step
     return {"shapes": shapes, "gathered": gathered, "whole": params_of(module), "loaded": params_of(resumed), "refused": refused,
-            "val_loss": val_loss, "shapes_after_validate": shapes_after_validate,
+            "val_loss": val_loss, "shapes_after_validate": shapes_after_validate, "stale": stale,
             "warnings": [str(w.message) for w in caught if "not handed back whole" in str(w.message)]}
 
 
@@ -285,6 +291,7 @@ def test_a_module_the_host_cannot_take_whole_stays_in_pieces_and_is_not_lost(ran
         assert case["shapes"] != {name: tuple(value.shape) for name, value in ended.items()}  # the pieces: 1-d
         assert case["val_loss"] == rank["zero3_fp32_two_steps"]["val_loss"]
         assert case["shapes_after_validate"] == case["shapes"]
+        assert case["stale"] is not None and "no longer holds the module" in case["stale"]
         assert case["refused"] is not None and "FailsAtStep2 is still each rank's pieces" in case["refused"]
         assert "this run (ZeRO stage 2) cannot take it: it would gather it whole first" in case["refused"]
         assert "A plain stage-3 run (e.g. strategy='zero3') takes the pieces as they are" in case["refused"]

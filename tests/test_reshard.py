@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from lightning_zero import CPUOffloadPolicy, ZeroConfig
 from lightning_zero.zero.comm import Collectives, CountingCollectives
 from lightning_zero.zero.engine import make_engine
-from lightning_zero.zero.stage3 import PiecesSource, Zero3Engine, Zero3Optimizer
+from lightning_zero.zero.stage3 import Phase, PiecesSource, Zero3Engine, Zero3Optimizer
 
 CPU = torch.device("cpu")
 PER_LAYER = ZeroConfig(stage=3, min_unit_numel=1, param_persistence_threshold=0, prefetch_units=0)
@@ -96,6 +96,9 @@ def test_the_new_engine_holds_the_old_masters_exactly(old_config: ZeroConfig, ne
     if new_config is PER_LAYER and old_config is PER_LAYER:
         assert max(opened) == 1  # each released before the next is gathered
     assert all(unit.full.untyped_storage().nbytes() == 0 for unit in old.units + new.units)
+    assert old.phase is Phase.TAKEN  # a stale Trainer saving through it gets the way on, not a KeyError
+    with pytest.raises(RuntimeError, match="no longer holds the module.*Use the Trainer .* that ran the module last"):
+        old.param_pieces()
     assert model[4].weight is model[0].weight and not any(p.is_meta for p in model.parameters())
     mine = _whole_masters(new)
     assert mine.keys() == masters.keys()
@@ -220,6 +223,7 @@ def test_a_failure_while_re_sharding_frees_what_it_gathered_and_puts_the_pieces_
     with pytest.raises(RuntimeError, match="out of memory"):
         make_engine(model, CountingCollectives(Collectives()), PER_LAYER, None, CPU, source=source)
     source.put_back()
+    assert old.phase is Phase.IDLE  # still the module's engine
     assert all(param is pieces[name] for name, param in model.named_parameters())
     assert all(unit.refcount == 0 and unit.full.untyped_storage().nbytes() == 0 for unit in old.units)
     again = make_engine(model, CountingCollectives(Collectives()), ONE_UNIT, None, CPU,

@@ -190,7 +190,7 @@ class Zero3Engine(Zero3Hooks):
             source.consumed(unit)
             unit.free()
             self._track_memory()
-        source.close()
+        source.finish()
         self.phase = Phase.IDLE
 
     def _track_memory(self) -> None:
@@ -338,6 +338,8 @@ class Zero3Engine(Zero3Hooks):
 
     def param_pieces(self) -> list[ParamPiece]:
         """Every parameter's fp32 master piece on this rank (frozen ones included)."""
+        if self.phase is Phase.TAKEN:
+            self._enter("a checkpoint save")  # raises, naming the way on
         self.absorb_writes(through_data=True)  # a checkpoint reads the masters
         return [sp.piece() for unit in self.units for sp in unit.params]
 
@@ -509,9 +511,14 @@ class PiecesSource:
                     self._release(old.unit)
 
     def close(self) -> None:
-        """Releases every old unit still open (all of them, once the new engine is built)."""
+        """Releases every old unit still open."""
         for old_unit in list(self._open):
             self._release(old_unit)
+
+    def finish(self) -> None:
+        """The new engine holds every value: the old one is done with the module."""
+        self.close()
+        self.engine.phase = Phase.TAKEN
 
     def _release(self, old_unit: ShardedUnit) -> None:
         del self._open[old_unit]

@@ -9,7 +9,8 @@ for the whole step (and its backward) by the strategy. A module that uses a para
 unit (tied weights) acquires that unit around its own forward and backward as well.
 
 The engine's phase (:class:`Phase`) moves BUILT -> IDLE (sharded) -> FORWARD -> BACKWARD -> IDLE
-(``end_backward``) ... -> HANDED_BACK (``gather_to_cpu``); every hook and entry point checks it
+(``end_backward``) ... -> HANDED_BACK (``gather_to_cpu``), or TAKEN (a later engine re-sharded the
+module from this one's pieces); every hook and entry point checks it
 when entered. What one step's forward leaves for its backward (calls, held and visited units)
 lives in one :class:`StepState`, reset when the backward ends; the gather order recorded during
 the first step lives in :class:`GatherOrder`.
@@ -44,6 +45,10 @@ class Phase(enum.Enum):
     HANDED_BACK = (
         "every parameter got its whole tensor back (gather_to_cpu): no hook runs any more; the masters stay"
         " readable (a checkpoint saved after fit) and whole-parameter calls act on the module directly"
+    )
+    TAKEN = (
+        "a later run's engine took the module's parameters from this engine's pieces (re-sharding): this one"
+        " holds none of them any more"
     )
 
 
@@ -123,6 +128,12 @@ class Zero3Hooks:
 
     def _enter(self, hook: str, phase: Phase | None = None) -> None:
         """Checks that the engine can run ``hook`` now, and moves it to ``phase``."""
+        if self.phase is Phase.TAKEN:
+            raise RuntimeError(
+                f"ZeRO-3 {hook} ran on an engine that no longer holds the module: {self.phase.value}. Use the"
+                " Trainer (or Fabric) that ran the module last, whose engine holds it now, e.g. its"
+                " save_checkpoint."
+            )
         if self.phase in (Phase.BUILT, Phase.HANDED_BACK):
             raise RuntimeError(
                 f"ZeRO-3 {hook} ran while the engine is {self.phase.name}: {self.phase.value}. The module's"
