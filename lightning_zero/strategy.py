@@ -1426,7 +1426,7 @@ def _do_nothing(*args: Any) -> None:
 # gather_after_error(module) gathers the module back whole when every rank calls it. The next
 # fit/validate/test/predict on the module, whose setup is a point every rank reaches together,
 # builds a stage-3 engine from the pieces ([Note: re-sharding a module left in pieces] in
-# zero/stage3/engine.py) or, at other stages, calls it first. A -mixed run hands the fp32 masters
+# zero/stage3/engine.py) or, at other stages and with a tensor or pipeline mesh, calls it first. A -mixed run hands the fp32 masters
 # back, as its teardown would have.
 # module -> (the engine that knows its pieces, whether to hand back the masters, whether memory was why)
 _PIECES_AFTER_ERROR: weakref.WeakKeyDictionary[Module, tuple[ZeroEngine, bool, bool]] = weakref.WeakKeyDictionary()
@@ -1452,14 +1452,15 @@ def _leave_in_pieces(module: Module, engine: ZeroEngine, from_master: bool, beca
             " one file, streamed, on any machine), and trainer.save_checkpoint still writes them; the module's own"
             " state_dict() holds this rank's pieces only. lightning_zero.gather_after_error(module), on every rank,"
             " gathers them whole where memory allows. A next stage-3 trainer.fit/validate/test/predict of this module"
-            " builds its engine from these pieces, never whole; any other run gathers them first if memory allows, else"
-            " it refuses.")
+            " (without a tensor or pipeline mesh) builds its engine from these pieces, never whole; any other run"
+            " gathers them first if memory allows, else it refuses.")
         return
     rank_zero_warn(
         f"After the error, {type(module).__name__}'s parameters are each rank's piece of them (ZeRO stage 3): gathering"
         " them back is a collective, which is not safe after an error that other ranks may not share. The next"
-        " trainer.fit/validate/test/predict of this module builds its engine from them (stage 3) or gathers them"
-        " back first; to use it outside a Trainer, call lightning_zero.gather_after_error(module) on every rank.")
+        " trainer.fit/validate/test/predict of this module builds its engine from them (at stage 3, without a"
+        " tensor or pipeline mesh) or gathers them back first; to use it outside a Trainer, call"
+        " lightning_zero.gather_after_error(module) on every rank.")
 
 
 class _TakenPieces:

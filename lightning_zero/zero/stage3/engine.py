@@ -254,9 +254,8 @@ class Zero3Engine(Zero3Hooks):
 
     def whole_values(self, unit: ShardedUnit, from_master: bool) -> dict[ShardedParam, Tensor]:
         """Each parameter of ``unit`` whole, on the training device (a collective unless the unit
-        is whole already): with
-        ``from_master``, its master values (fresh tensors); else the unit is acquired and the values
-        are views of its full buffer, valid until the caller releases it."""
+        is whole already): with ``from_master``, its master values (fresh tensors); else the unit
+        is acquired and the values are views of its full buffer, valid until it is freed."""
         if from_master and unit.master is not unit.shard:
             return unit.gather_master_values(self.collectives)
         self.acquire(unit)

@@ -16,7 +16,8 @@ rank's pieces in the unit's fp32 master-gradient shard [T].
 
 [Note: trained pieces first]
 Within a unit's shard the pieces of the parameters that train (requires_grad when the engine is
-built) come first, in registration order, then the frozen ones: the trained ones span the shard's
+built) come first, in registration order, then the frozen ones (those the shard would round before
+those it holds exactly: [Note: masters of frozen pieces]): the trained ones span the shard's
 first T elements. Only those have a master gradient [T], a reduction [N, T] and (offloaded) a
 staging buffer, so a unit that mixes frozen and trained parameters (a LoRA adapter beside its
 frozen base weight) neither holds an fp32 gradient over its frozen weights nor reduce-scatters
