@@ -436,7 +436,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             return
         self._in_loop_collective = True
         try:
-            agree_before_collective(self.collectives, call, self._synced_backwards)
+            agree_before_collective(self.collectives, f"fabric.{call}", self._synced_backwards)
             yield
         finally:
             self._in_loop_collective = False

@@ -108,6 +108,7 @@ from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import (
     agree_after_batch,
+    agree_before_collective,
     agree_before_step,
     agree_on_batches,
     check_same_model,
@@ -213,6 +214,7 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step: Callable[[], Any] = _do_nothing
         self._unsync_generation: Callable[[], None] = _do_nothing
         self._taken_pieces: _TakenPieces | None = None  # see [Note: re-sharding a module left in pieces]
+        self._in_lightning_collective = False  # inside one of Lightning's collectives: nested ones agree no more
         self._restore_optimizer_zero_grad: Callable[[], Any] = _do_nothing
         self._zero_grad_of_window: Callable[..., Any] = _do_nothing  # the module's own optimizer_zero_grad
         self._engine: ZeroEngine | None = None
@@ -907,21 +909,42 @@ class ZeroStrategy(ParallelStrategy):
             self._in_no_sync = False
 
     # ------------------------------------------------------------------ collectives for Lightning
+    @contextmanager
+    def _agreed(self, call: str, group: Any | None = None) -> Generator[None, None, None]:
+        """Stage 3: runs one of Lightning's collectives (a synced metric, a barrier, a broadcast)
+        after the ranks agreed they all reached it (see [Note: ranks that disagree] in
+        zero/consistency.py). A rank still gathering a unit for a forward the others never ran (a
+        callback's ``generate`` under ``if trainer.is_global_zero:``) meets them here, and every
+        rank raises at once instead of waiting for the process group's timeout. Stages 1/2 gather
+        nothing in forward, so they skip it; so does a call on a group of its own."""
+        if (self.config.stage != 3 or self._engine is None or self._in_lightning_collective or group is not None
+                or self.world_size == 1 or not _distributed_is_initialized()):
+            yield
+            return
+        self._in_lightning_collective = True
+        try:
+            agree_before_collective(self.collectives, call, self._synced_backwards)
+            yield
+        finally:
+            self._in_lightning_collective = False
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if torch.distributed.get_backend() == "nccl" and self.root_device.type == "cuda":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        with self._agreed("trainer.strategy.barrier"):
+            if torch.distributed.get_backend() == "nccl" and self.root_device.type == "cuda":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         container = [obj]
-        torch.distributed.broadcast_object_list(container, src, group=_group.WORLD)
+        with self._agreed("trainer.strategy.broadcast"):
+            torch.distributed.broadcast_object_list(container, src, group=_group.WORLD)
         return container[0]
 
     @override
@@ -929,8 +952,14 @@ class ZeroStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self._agreed("trainer.strategy.reduce", group):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        with self._agreed("trainer.strategy.all_gather", group):
+            return super().all_gather(tensor, group, sync_grads)
 
     # ------------------------------------------------------------------ checkpoints
     @property

@@ -1,9 +1,10 @@
 """[Note: ranks that never arrive]: a rank waiting long in an agreement says which one and why.
 
 One process: a stand-in for the collectives whose exchange takes as long as the test says plays
-a rank whose peers are late (or never come). The real case (a generate on rank 0 only at stage 3,
-rank 1 in Lightning's broadcast before its next batch) waits for the process group's timeout,
-too long for the suite; the note of the session that added this records it.
+a rank whose peers are late (or never come). The real case (a generate on rank 0 only at stage 3)
+now ends in an error on every rank where the others reach one of Lightning's collectives through
+the strategy (test_user_code.py); a rank whose peers wait in a collective of their own still
+waits for the process group's timeout, too long for the suite.
 """
 
 from __future__ import annotations

@@ -285,6 +285,39 @@ class Generates(Callback):
         self.tokens.append(pl_module.model.generate(prompt, max_new_tokens=6, eos_token_id=eos, **kwargs))
 
 
+class GeneratesOnRankZero(Callback):
+    """The usual sampling callback, written for one rank: rank 0 generates after validation."""
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            prompt = torch.tensor([[1, 2, 3, 4]])
+            pl_module.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False,
+                                     pad_token_id=0)
+
+
+class ValidatedHFGPT2(TinyHFGPT2):
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        logits = self.model(input_ids=batch[0]).logits
+        self.log("val_loss", nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten()), sync_dist=True)
+
+
+def _generate_on_rank_zero_only() -> dict[str, Any]:
+    """At stage 3 rank 0's gather waits for ranks that went on to Lightning's synced validation
+    metric: the strategy's reduce agrees first, so both ranks raise instead of waiting for the
+    process group's timeout (30 minutes by default)."""
+    pl.seed_everything(0)
+
+    def run() -> None:
+        with launched_environment():
+            trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=ZeroStrategy(config=ZeroConfig(
+                stage=3, unit_modules=("GPT2Block",))), logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, callbacks=[GeneratesOnRankZero()],
+                max_steps=2, limit_val_batches=1)
+            trainer.fit(ValidatedHFGPT2(), train_dataloaders=loader(), val_dataloaders=loader(samples=8))
+
+    return _error_of(run)
+
+
 def _generate(strategy: Any, uneven: bool = False) -> list[Tensor]:
     pl.seed_everything(0)
     callback = Generates(uneven)
@@ -650,6 +683,7 @@ def _all(directory: str) -> dict[str, Any]:
             stage=3, unit_modules=("GPT2Block",))))},
         "generate_uneven": {"ddp": _generate("ddp", uneven=True), "zero3": _generate(ZeroStrategy(config=ZeroConfig(
             stage=3, unit_modules=("GPT2Block",))), uneven=True)},
+        "generate_on_rank_zero": _generate_on_rank_zero_only(),
         "compiled_unit": {name: _compiled_unit(strategy()) for name, strategy in (("ddp", lambda: "ddp"), ("zero3", zero3))},
         "disagree": _disagreeing_ranks(),
         "stale_graph": _stale_graphs(),
@@ -752,6 +786,16 @@ def test_a_model_that_differs_between_ranks_is_an_error_at_setup(stage: str) -> 
         message = per_rank["disagree"][f"structure_{stage}"]["message"]
         assert message.startswith("RanksDisagreeError: ZeRO needs the same model on every rank, but rank 1 has")
         assert "parameter #" in message and "rank 0 no such parameter" in message and "'blocks.2.weight'" in message
+
+
+def test_a_generate_on_rank_zero_only_is_an_error_on_every_rank_not_a_hang() -> None:
+    for per_rank in outcome():
+        case = per_rank["generate_on_rank_zero"]
+        message = case["message"]
+        assert message.startswith("RanksDisagreeError: The ranks are at different points of the run: rank 0 gathers")
+        assert "rank 1 calls trainer.strategy.reduce()" in message
+        assert "`if trainer.is_global_zero: model.generate(...)` in a callback) on every rank" in message
+        assert case["seconds"] < 60
 
 
 def test_ranks_running_different_units_get_an_error_naming_them() -> None:

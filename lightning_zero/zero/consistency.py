@@ -29,7 +29,12 @@ same clear error on every rank when those differ:
   (``fabric.barrier``, ``all_reduce``, ``all_gather``, ``broadcast``, ``save``, ``load``), which
   call it is and how many backwards are not stepped yet (``agree_before_collective``): a rank that
   skipped a step and went on to one of these would otherwise wait there while the others wait in
-  the step.
+  the step;
+- at stage 3 under the Trainer, before each of Lightning's collectives through the strategy (a
+  synced metric's reduce, a barrier, a broadcast, an all_gather), the same: a rank still gathering
+  a unit for a forward the others never ran (``if trainer.is_global_zero: model.generate(...)``
+  in a callback) meets the others there, and every rank raises instead of waiting for the process
+  group's timeout.
 
 The exchange is one small all-gather of the same size at every such point (``agree_at``), so
 ranks at two different points meet in it and both raise; it runs on a gloo group beside an NCCL
@@ -84,8 +89,11 @@ class Point(enum.IntEnum):
     BACKWARD = 7  # values: how many optimizers' gradients a synchronized backward reduces, which ones (bits)
 
 
-# The collectives a Fabric loop calls itself, numbered for Point.COLLECTIVE by their place here.
-LOOP_COLLECTIVES = ("barrier", "all_reduce", "all_gather", "broadcast", "save", "load")
+# The collectives a Fabric loop, or Lightning's Trainer, calls through the strategy, numbered for
+# Point.COLLECTIVE by their place here.
+LOOP_COLLECTIVES = ("fabric.barrier", "fabric.all_reduce", "fabric.all_gather", "fabric.broadcast", "fabric.save",
+                    "fabric.load", "trainer.strategy.barrier", "trainer.strategy.reduce",
+                    "trainer.strategy.all_gather", "trainer.strategy.broadcast")
 
 
 _POINT_WIDTH = 5  # the point and four values
@@ -191,12 +199,16 @@ def agree_at(collectives: AnyCollectives, point: Point, values: Sequence[int] = 
         rows = collectives.agree(padded)
     if any(row[0] != point for row in rows):
         described = ", ".join(f"rank {rank} {_describe(row)}" for rank, row in enumerate(rows))
+        gathering = any(row[0] == Point.GATHER for row in rows)
         raise RanksDisagreeError(
             f"The ranks are at different points of the run: {described}. Each of these is a collective every rank"
             " must join in the same order: the ranks ran different code (a rank-dependent number of backward calls"
             " or optimizer steps, a forward on some ranks only, a different number of batches). Decide a skip"
             " together (e.g. with strategy.reduce_boolean_decision), or backward and step a zero loss"
             " ((0 * loss).sum()) on the rank that would skip."
+            + (" At ZeRO stage 3 every forward gathers parameters from every rank: run a forward outside the steps"
+               " (`if trainer.is_global_zero: model.generate(...)` in a callback) on every rank, and log rank 0's"
+               " output." if gathering else "")
         )
     return [row[1 : 1 + len(values)] for row in rows]  # the values each rank gave, without the padding
 
@@ -312,11 +324,12 @@ def agree_after_batch(collectives: AnyCollectives, steps: int, pending_backwards
 
 
 def _loop_collective(code: int) -> str:
-    return f"fabric.{LOOP_COLLECTIVES[code - 1]}()" if 1 <= code <= len(LOOP_COLLECTIVES) else f"collective #{code}"
+    return f"{LOOP_COLLECTIVES[code - 1]}()" if 1 <= code <= len(LOOP_COLLECTIVES) else f"collective #{code}"
 
 
 def agree_before_collective(collectives: AnyCollectives, call: str, pending_backwards: int) -> None:
-    """Before one of the loop's own collectives (``call``, one of LOOP_COLLECTIVES): every rank is
+    """Before one of the collectives a Fabric loop or the Trainer calls through the strategy
+    (``call``, one of LOOP_COLLECTIVES): every rank is
     at the same call and holds as many synchronized backwards not stepped yet, or every rank raises.
     A rank still inside a step (its agreement) meets this one and both raise."""
     rows = agree_at(collectives, Point.COLLECTIVE, [LOOP_COLLECTIVES.index(call) + 1, pending_backwards])
@@ -328,7 +341,7 @@ def agree_before_collective(collectives: AnyCollectives, call: str, pending_back
         f"The ranks reached different collectives (by rank: {calls}) or hold different numbers of backward calls"
         f" not stepped yet (by rank: {pending}). Every rank must call backward, optimizer.step() and the"
         " collectives in the same order: skip a batch on every rank alike (decide it together, e.g. with"
-        " fabric.strategy.reduce_boolean_decision), or backward and step a zero loss ((0 * loss).sum()) on the"
+        " strategy.reduce_boolean_decision), or backward and step a zero loss ((0 * loss).sum()) on the"
         " rank that would skip."
     )
 
