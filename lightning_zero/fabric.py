@@ -71,7 +71,7 @@ from lightning_zero.strategy import (
 )
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import (
-    agree_before_collective,
+    CollectiveAgreement,
     agree_before_step,
     check_same_model,
     optimizer_number,
@@ -182,7 +182,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._optimizers: list[ShardedOptimizer] = []
         self._synced_backwards = 0  # backward calls whose gradients the next step reduces
         self._in_no_sync = False
-        self._in_loop_collective = False  # inside one of the loop's collectives: its nested ones agree no more
+        self._agreement = CollectiveAgreement()
         self._cast_pending = False
         # Stages 1/2: the fp32 values the cast replaced, of parameters no optimizer set up so far
         # trains, kept until the first forward (see [Note: optimizers set up one by one]).
@@ -431,15 +431,11 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         """Runs one of the loop's collectives (see [Note: ranks that disagree] in zero/consistency.py)
         after the ranks agreed they all reached it with as many backwards not stepped: a rank that
         skipped an optimizer step raises here, and so do the others, in their step or here."""
-        if self._engine is None or self._in_loop_collective or self.world_size == 1:
+        if self._engine is None or self.world_size == 1:
             yield
             return
-        self._in_loop_collective = True
-        try:
-            agree_before_collective(self.collectives, f"fabric.{call}", self._synced_backwards)
+        with self._agreement.before(self.collectives, f"fabric.{call}", self._synced_backwards):
             yield
-        finally:
-            self._in_loop_collective = False
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

@@ -107,8 +107,8 @@ from lightning_zero.profiling.measure import host_memory_available
 from lightning_zero.zero.accounting import ModelStateBytes, model_state_bytes
 from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import (
+    CollectiveAgreement,
     agree_after_batch,
-    agree_before_collective,
     agree_before_step,
     agree_on_batches,
     check_same_model,
@@ -214,7 +214,7 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_lr_scheduler_step: Callable[[], Any] = _do_nothing
         self._unsync_generation: Callable[[], None] = _do_nothing
         self._taken_pieces: _TakenPieces | None = None  # see [Note: re-sharding a module left in pieces]
-        self._in_lightning_collective = False  # inside one of Lightning's collectives: nested ones agree no more
+        self._agreement = CollectiveAgreement()
         self._restore_optimizer_zero_grad: Callable[[], Any] = _do_nothing
         self._zero_grad_of_window: Callable[..., Any] = _do_nothing  # the module's own optimizer_zero_grad
         self._engine: ZeroEngine | None = None
@@ -917,16 +917,12 @@ class ZeroStrategy(ParallelStrategy):
         callback's ``generate`` under ``if trainer.is_global_zero:``) meets them here, and every
         rank raises at once instead of waiting for the process group's timeout. Stages 1/2 gather
         nothing in forward, so they skip it; so does a call on a group of its own."""
-        if (self.config.stage != 3 or self._engine is None or self._in_lightning_collective or group is not None
-                or self.world_size == 1 or not _distributed_is_initialized()):
+        if (self.config.stage != 3 or self._engine is None or group is not None or self.world_size == 1
+                or not _distributed_is_initialized()):
             yield
             return
-        self._in_lightning_collective = True
-        try:
-            agree_before_collective(self.collectives, call, self._synced_backwards)
+        with self._agreement.before(self.collectives, call, self._synced_backwards):
             yield
-        finally:
-            self._in_lightning_collective = False
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -1455,8 +1451,8 @@ def _do_nothing(*args: Any) -> None:
 # gather_after_error(module) gathers the module back whole when every rank calls it. The next
 # fit/validate/test/predict on the module, whose setup is a point every rank reaches together,
 # builds a stage-3 engine from the pieces ([Note: re-sharding a module left in pieces] in
-# zero/stage3/engine.py) or, at other stages and with a tensor or pipeline mesh, calls it first. A -mixed run hands the fp32 masters
-# back, as its teardown would have.
+# zero/stage3/engine.py) or, at other stages and with a tensor or pipeline mesh, calls it first.
+# A -mixed run hands the fp32 masters back, as its teardown would have.
 # module -> (the engine that knows its pieces, whether to hand back the masters, whether memory was why)
 _PIECES_AFTER_ERROR: weakref.WeakKeyDictionary[Module, tuple[ZeroEngine, bool, bool]] = weakref.WeakKeyDictionary()
 

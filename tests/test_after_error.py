@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -126,19 +127,12 @@ def _setup_fails(make: Any) -> dict[str, Any]:
     except ValueError:
         pass
     pieces = params_of(module)
-    build = strategy_module.make_engine
-
-    def fails(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("the engine could not be built")
-
-    strategy_module.make_engine = fails
     try:
-        fit(module, make(), WORLD, steps=3)
+        with mock.patch.object(strategy_module, "make_engine", side_effect=RuntimeError("the engine could not be built")):
+            fit(module, make(), WORLD, steps=3)
         failed = None
     except RuntimeError as error:
         failed = str(error)
-    finally:
-        strategy_module.make_engine = build
     kept = params_of(module)
     return {"failed": failed, "kept": all(torch.equal(kept[k], pieces[k]) for k in pieces) and kept.keys() == pieces.keys(),
             "gathered": gather_after_error(module), "whole": params_of(module)}
@@ -150,39 +144,33 @@ def _short_of_memory(make: Any, directory: str) -> dict[str, Any]:
 
     torch.manual_seed(0)
     module = FailsAtStep2()
-    available = strategy_module.host_memory_available
-    strategy_module.host_memory_available = lambda: 2**10  # 1 KiB: the whole module does not fit
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer = fit(module, make(), WORLD, steps=2)
-    finally:
-        strategy_module.host_memory_available = available
+    short = mock.patch.object(strategy_module, "host_memory_available", lambda: 2**10)  # 1 KiB: the module does not fit
+    with short, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(module, make(), WORLD, steps=2)
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     with launched_environment():
         trainer.save_checkpoint(f"{directory}/in_pieces.ckpt")  # the engine still reads its masters
     # While memory is still short: a stage-3 run builds its engine from the pieces, never whole,
     # and leaves them again; a stage-2 run would gather the module whole first, and is refused.
-    strategy_module.host_memory_available = lambda: 2**10
     try:
-        with launched_environment(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            validating = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=make(), logger=False,
-                                    enable_progress_bar=False, enable_model_summary=False)
-            val_loss = validating.validate(module, dataloaders=loader(samples=32), verbose=False)[0]["val_loss"]
-        shapes_after_validate = {n: tuple(p.shape) for n, p in module.named_parameters()}
-        try:  # the first Trainer's engine no longer holds the module
-            with launched_environment():
-                trainer.save_checkpoint(f"{directory}/stale.ckpt")
-            stale = None
-        except RuntimeError as error:
-            stale = str(error)
-        fit(module, ZeroStrategy(config=ZeroConfig(stage=2)), WORLD, steps=3)
+        with short:
+            with launched_environment(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                validating = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=make(), logger=False,
+                                        enable_progress_bar=False, enable_model_summary=False)
+                val_loss = validating.validate(module, dataloaders=loader(samples=32), verbose=False)[0]["val_loss"]
+            shapes_after_validate = {n: tuple(p.shape) for n, p in module.named_parameters()}
+            try:  # the first Trainer's engine no longer holds the module
+                with launched_environment():
+                    trainer.save_checkpoint(f"{directory}/stale.ckpt")
+                stale = None
+            except RuntimeError as error:
+                stale = str(error)
+            fit(module, ZeroStrategy(config=ZeroConfig(stage=2)), WORLD, steps=3)
         refused = None
     except RuntimeError as error:
         refused = str(error)
-    finally:
-        strategy_module.host_memory_available = available
     gathered = gather_after_error(module)
     resumed = FailsAtStep2()
     with launched_environment():

@@ -346,6 +346,26 @@ def agree_before_collective(collectives: AnyCollectives, call: str, pending_back
     )
 
 
+class CollectiveAgreement:
+    """Runs a strategy's collectives after ``agree_before_collective``, once: a collective that
+    another one calls inside it (Lightning's reduce_boolean_decision calls reduce) agrees no more."""
+
+    def __init__(self) -> None:
+        self._inside = False
+
+    @contextlib.contextmanager
+    def before(self, collectives: AnyCollectives, call: str, pending_backwards: int) -> Iterator[None]:
+        if self._inside:
+            yield
+            return
+        self._inside = True
+        try:
+            agree_before_collective(collectives, call, pending_backwards)
+            yield
+        finally:
+            self._inside = False
+
+
 def model_fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
     """(name, shape, dtype, requires_grad) of every parameter, in registration order."""
     return [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)

@@ -475,6 +475,7 @@ class PiecesSource:
         # By the names the parameters have now (a module wrapped since, e.g. by peft, renames them).
         self.by_name: dict[str, ShardedParam] = {
             name: old_of[param] for name, param in engine.module.named_parameters() if param in old_of}
+        self._wanted = set(self.by_name.values())
         self._open: dict[ShardedUnit, tuple[dict[ShardedParam, Tensor], set[ShardedParam]]] = {}  # values, still to take
 
     def put_back(self) -> None:
@@ -488,14 +489,13 @@ class PiecesSource:
         """The whole value of each parameter of the new ``unit`` that was taken from the pieces
         (gathering the old units needed); the others keep their own."""
         values: dict[ShardedParam, Tensor] = {}
-        wanted = set(self.by_name.values())
         for sp in unit.params:
             old = self.by_name.get(sp.name)
             if old is None:
                 continue
             if old.unit not in self._open:
                 self._open[old.unit] = (self.engine.whole_values(old.unit, self.from_master),
-                                        {piece for piece in old.unit.params if piece in wanted})
+                                        {piece for piece in old.unit.params if piece in self._wanted})
             values[sp] = self._open[old.unit][0][old]
         return values
 
