@@ -213,6 +213,7 @@ class ZeroStrategy(ParallelStrategy):
         # Module-level no-ops, not lambdas: a spawn/fork launcher pickles the strategy.
         self._restore_lr_scheduler_step: Callable[[], Any] = _do_nothing
         self._unsync_generation: Callable[[], None] = _do_nothing
+        self._unagree_batch_starts: Callable[[], Any] = _do_nothing
         self._taken_pieces: _TakenPieces | None = None  # see [Note: re-sharding a module left in pieces]
         self._agreement = CollectiveAgreement()
         self._restore_optimizer_zero_grad: Callable[[], Any] = _do_nothing
@@ -506,6 +507,28 @@ class ZeroStrategy(ParallelStrategy):
             self._rebuild_weight_averages()
             if self.engine_collectives.world_size > 1:
                 self._unsync_generation = sync_generation(module)  # see [Note: generation at stage 3]
+                self._agree_at_batch_starts(module.trainer)
+
+    def _agree_at_batch_starts(self, trainer: pl.Trainer | None) -> None:
+        """Stage 3: Lightning opens each training batch with a ``torch.distributed.broadcast`` of
+        its SIGTERM flag, outside the strategy, and takes any error in it for "no SIGTERM". A rank
+        still gathering for a forward the others never ran (a ``generate`` under ``if
+        trainer.is_global_zero:`` in ``on_train_batch_end`` or ``on_train_epoch_end``) would meet
+        that broadcast and wait for the process group's timeout, then train on out of step. The
+        ranks agree before it, as before the strategy's own collectives, so every rank raises at
+        once; one small exchange per batch, beside the agreement of every gather."""
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is None or not callable(getattr(loop, "_broadcast_sigterm_tensor", None)):
+            return  # a Lightning without that broadcast: nothing outside the strategy to agree before
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)  # never wrap a wrapper of an earlier setup
+        broadcast = loop._broadcast_sigterm_tensor
+
+        def agreed_broadcast() -> None:
+            with self._agreed("trainer.fit_loop.sigterm_broadcast"):
+                broadcast()
+
+        loop._broadcast_sigterm_tensor = agreed_broadcast
+        self._unagree_batch_starts = lambda: loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
     def _localize_tensor_parallel(self, module: Module) -> None:
         """The DTensor parameters of a tensor-parallel plan become local parameters the engine
@@ -1296,6 +1319,8 @@ class ZeroStrategy(ParallelStrategy):
         self._restore_optimizer_zero_grad()
         self._unsync_generation()
         self._unsync_generation = _do_nothing
+        self._unagree_batch_starts()
+        self._unagree_batch_starts = _do_nothing
         precision = self.precision_plugin
         from_masters = isinstance(precision, ZeroPrecision) and precision.mixed and precision.param_dtype is not None
         if self._interrupted() and not self._failed_on_every_rank:

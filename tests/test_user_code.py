@@ -286,13 +286,35 @@ class Generates(Callback):
 
 
 class GeneratesOnRankZero(Callback):
-    """The usual sampling callback, written for one rank: rank 0 generates after validation."""
+    """The usual sampling callback, written for one rank: rank 0 generates after validation, after
+    the first epoch, or after the second training batch (``hook``)."""
 
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+        self.wrapped_sigterm_broadcast: list[bool] = []  # per training batch: the strategy agrees before it
+
+    def _generate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             prompt = torch.tensor([[1, 2, 3, 4]])
             pl_module.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False,
                                      pad_token_id=0)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.wrapped_sigterm_broadcast.append("_broadcast_sigterm_tensor" in vars(trainer.fit_loop.epoch_loop))
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.hook == "on_validation_epoch_end":
+            self._generate(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.hook == "on_train_epoch_end" and trainer.current_epoch == 0:
+            self._generate(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.hook == "on_train_batch_end" and batch_idx == 1:
+            self._generate(trainer, pl_module)
 
 
 class ValidatedHFGPT2(TinyHFGPT2):
@@ -301,21 +323,28 @@ class ValidatedHFGPT2(TinyHFGPT2):
         self.log("val_loss", nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten()), sync_dist=True)
 
 
-def _generate_on_rank_zero_only() -> dict[str, Any]:
+GENERATE_HOOKS = ("on_validation_epoch_end", "on_train_epoch_end", "on_train_batch_end")
+
+
+def _generate_on_rank_zero_only(hook: str) -> dict[str, Any]:
     """At stage 3 rank 0's gather waits for ranks that went on to Lightning's synced validation
-    metric: the strategy's reduce agrees first, so both ranks raise instead of waiting for the
-    process group's timeout (30 minutes by default)."""
+    metric (after validation) or to its SIGTERM broadcast at the start of the next training batch
+    (after a training batch or epoch): the strategy agrees before both, so every rank raises
+    instead of waiting for the process group's timeout (30 minutes by default)."""
     pl.seed_everything(0)
+    callback = GeneratesOnRankZero(hook)
+    trainer: list[pl.Trainer] = []
 
     def run() -> None:
         with launched_environment():
-            trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=ZeroStrategy(config=ZeroConfig(
+            trainer.append(pl.Trainer(accelerator="cpu", devices=WORLD, strategy=ZeroStrategy(config=ZeroConfig(
                 stage=3, unit_modules=("GPT2Block",))), logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, callbacks=[GeneratesOnRankZero()],
-                max_steps=2, limit_val_batches=1)
-            trainer.fit(ValidatedHFGPT2(), train_dataloaders=loader(), val_dataloaders=loader(samples=8))
+                enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                max_epochs=2, limit_train_batches=3, limit_val_batches=1))
+            trainer[0].fit(ValidatedHFGPT2(), train_dataloaders=loader(), val_dataloaders=loader(samples=8))
 
-    return _error_of(run)
+    return {**_error_of(run), "wrapped_while_training": callback.wrapped_sigterm_broadcast,
+            "wrapped_after": "_broadcast_sigterm_tensor" in vars(trainer[0].fit_loop.epoch_loop)}
 
 
 def _generate(strategy: Any, uneven: bool = False) -> list[Tensor]:
@@ -683,7 +712,7 @@ def _all(directory: str) -> dict[str, Any]:
             stage=3, unit_modules=("GPT2Block",))))},
         "generate_uneven": {"ddp": _generate("ddp", uneven=True), "zero3": _generate(ZeroStrategy(config=ZeroConfig(
             stage=3, unit_modules=("GPT2Block",))), uneven=True)},
-        "generate_on_rank_zero": _generate_on_rank_zero_only(),
+        "generate_on_rank_zero": {hook: _generate_on_rank_zero_only(hook) for hook in GENERATE_HOOKS},
         "compiled_unit": {name: _compiled_unit(strategy()) for name, strategy in (("ddp", lambda: "ddp"), ("zero3", zero3))},
         "disagree": _disagreeing_ranks(),
         "stale_graph": _stale_graphs(),
@@ -788,14 +817,24 @@ def test_a_model_that_differs_between_ranks_is_an_error_at_setup(stage: str) -> 
         assert "parameter #" in message and "rank 0 no such parameter" in message and "'blocks.2.weight'" in message
 
 
-def test_a_generate_on_rank_zero_only_is_an_error_on_every_rank_not_a_hang() -> None:
+@pytest.mark.parametrize("hook", GENERATE_HOOKS)
+def test_a_generate_on_rank_zero_only_is_an_error_on_every_rank_not_a_hang(hook: str) -> None:
     for per_rank in outcome():
-        case = per_rank["generate_on_rank_zero"]
+        case = per_rank["generate_on_rank_zero"][hook]
         message = case["message"]
         assert message.startswith("RanksDisagreeError: The ranks are at different points of the run: rank 0 gathers")
-        assert "rank 1 calls trainer.strategy.reduce()" in message
+        elsewhere = {"on_validation_epoch_end": "rank 1 calls trainer.strategy.reduce()",
+                     "on_train_epoch_end": "rank 1 starts a training batch (Lightning's broadcast of its SIGTERM flag)",
+                     "on_train_batch_end": "rank 1 starts a training batch (Lightning's broadcast of its SIGTERM flag)"}
+        assert elsewhere[hook] in message
         assert "`if trainer.is_global_zero: model.generate(...)` in a callback) on every rank" in message
         assert case["seconds"] < 60
+        # The agreement stands before Lightning's broadcast at every training batch (none ran when the
+        # sanity check's validation raised), and goes at teardown.
+        assert all(case["wrapped_while_training"])
+        assert len(case["wrapped_while_training"]) == {"on_validation_epoch_end": 0, "on_train_epoch_end": 3,
+                                                       "on_train_batch_end": 2}[hook]
+        assert not case["wrapped_after"]
 
 
 def test_ranks_running_different_units_get_an_error_naming_them() -> None:

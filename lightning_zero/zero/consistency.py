@@ -93,7 +93,10 @@ class Point(enum.IntEnum):
 # Point.COLLECTIVE by their place here.
 LOOP_COLLECTIVES = ("fabric.barrier", "fabric.all_reduce", "fabric.all_gather", "fabric.broadcast", "fabric.save",
                     "fabric.load", "trainer.strategy.barrier", "trainer.strategy.reduce",
-                    "trainer.strategy.all_gather", "trainer.strategy.broadcast")
+                    "trainer.strategy.all_gather", "trainer.strategy.broadcast", "trainer.fit_loop.sigterm_broadcast")
+# How a rank's place is told where "calls <name>()" would not say it.
+_LOOP_COLLECTIVE_PLACES = {"trainer.fit_loop.sigterm_broadcast": "starts a training batch (Lightning's broadcast of"
+                                                                 " its SIGTERM flag)"}
 
 
 _POINT_WIDTH = 5  # the point and four values
@@ -226,7 +229,7 @@ def _describe(row: Sequence[int]) -> str:
     if point is Point.BATCH_END:
         return f"ended its training_step after {row[1]} optimizer step(s)"
     if point is Point.COLLECTIVE:
-        return f"calls {_loop_collective(row[1])} with {row[2]} backward(s) not stepped"
+        return f"{_loop_place(row[1])} with {row[2]} backward(s) not stepped"
     if point is Point.BACKWARD:
         return f"starts a backward that reduces the gradients of {_optimizers(row[2])}"
     return f"is at an unknown point {row[0]}"
@@ -327,6 +330,12 @@ def _loop_collective(code: int) -> str:
     return f"{LOOP_COLLECTIVES[code - 1]}()" if 1 <= code <= len(LOOP_COLLECTIVES) else f"collective #{code}"
 
 
+def _loop_place(code: int) -> str:
+    """Where a rank at LOOP_COLLECTIVES' ``code`` is, in words."""
+    name = LOOP_COLLECTIVES[code - 1] if 1 <= code <= len(LOOP_COLLECTIVES) else ""
+    return _LOOP_COLLECTIVE_PLACES.get(name, f"calls {_loop_collective(code)}")
+
+
 def agree_before_collective(collectives: AnyCollectives, call: str, pending_backwards: int) -> None:
     """Before one of the collectives a Fabric loop or the Trainer calls through the strategy
     (``call``, one of LOOP_COLLECTIVES): every rank is
@@ -335,10 +344,10 @@ def agree_before_collective(collectives: AnyCollectives, call: str, pending_back
     rows = agree_at(collectives, Point.COLLECTIVE, [LOOP_COLLECTIVES.index(call) + 1, pending_backwards])
     if len({tuple(row) for row in rows}) == 1:
         return
-    calls = [_loop_collective(row[0]) for row in rows]
+    places = "; ".join(f"rank {rank} {_loop_place(row[0])}" for rank, row in enumerate(rows))
     pending = [row[1] for row in rows]
     raise RanksDisagreeError(
-        f"The ranks reached different collectives (by rank: {calls}) or hold different numbers of backward calls"
+        f"The ranks reached different collectives ({places}) or hold different numbers of backward calls"
         f" not stepped yet (by rank: {pending}). Every rank must call backward, optimizer.step() and the"
         " collectives in the same order: skip a batch on every rank alike (decide it together, e.g. with"
         " strategy.reduce_boolean_decision), or backward and step a zero loss ((0 * loss).sum()) on the"
