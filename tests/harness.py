@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -119,6 +120,12 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
             process.join(timeout=5 if failures else 60)
             if process.is_alive():
                 process.kill()
+            elif process.exitcode == 255 and failures:
+                # What multiprocessing reports for every rank once the fork server itself is gone
+                # (killed from outside): it can no longer tell whether the rank lives, so kill()
+                # would do nothing, and a rank left waiting in a collective spins on as an orphan.
+                with suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
     if failures:
         raise RuntimeError("a rank failed:\n" + "\n".join(failures))
     return [results[rank] for rank in range(world_size)]
