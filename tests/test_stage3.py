@@ -365,6 +365,25 @@ def test_bad_input_gets_clear_errors() -> None:
         assert "['Block']" in errors["no_such_unit"] and "TransformerEncoderLayer" in errors["no_such_unit"]
 
 
+def test_a_unit_module_named_by_class_whose_forward_never_runs_is_refused() -> None:
+    """A unit is gathered by its module's hooks: a ModuleList (no forward) or MultiheadAttention's
+    out_proj (its parent reads the weight without calling it) named in unit_modules would leave
+    its parameters in 1-d pieces ("mat2 must be a matrix, got 1-D tensor" in forward)."""
+    from lightning_zero.zero.stage3.partition import choose_unit_modules
+
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    model = nn.ModuleDict({"layers": nn.ModuleList([layer]), "head": nn.Linear(16, 4)})
+    with pytest.raises(ValueError, match=r"names 'NonDynamicallyQuantizableLinear', but 'layers.0.self_attn.out_proj'"
+                                         r" cannot be a ZeRO-3 unit: nn.MultiheadAttention reads its out_proj"):
+        choose_unit_modules(model, ("NonDynamicallyQuantizableLinear",), 0)
+    with pytest.raises(ValueError, match=r"names 'ModuleList', but 'layers' cannot be a ZeRO-3 unit: ModuleList has"
+                                         r" no forward of its own .* Leave it out of unit_modules"):
+        choose_unit_modules(model, ("ModuleList",), 0)
+    # What runs its forward stays a unit: the layer, its attention, the Linear inside the layer.
+    units = choose_unit_modules(model, ("TransformerEncoderLayer", "MultiheadAttention", "Linear"), 0)
+    assert set(units) == {"", "layers.0", "layers.0.self_attn", "layers.0.linear1", "layers.0.linear2", "head"}
+
+
 def test_a_container_without_forward_is_never_a_unit() -> None:
     """A model that loops over a ModuleList (as the demo GPT does) never calls the list's forward:
     were the list a unit, its parameters would stay shards in forward ("weight of shape [64]")."""

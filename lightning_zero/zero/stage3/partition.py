@@ -176,6 +176,27 @@ def innermost_prefix(prefix: str, candidates: Iterable[str]) -> str:
     return max((c for c in candidates if c == "" or prefix == c or prefix.startswith(c + ".")), key=len)
 
 
+def _check_called(module: nn.Module, prefix: str, submodule: nn.Module) -> None:
+    """Refuses a unit module named by class whose forward never runs: a unit is gathered by its
+    module's forward hooks, so its parameters would stay 1-d pieces where they are read."""
+    name = type(submodule).__name__
+    if type(submodule).forward is nn.Module.forward:
+        why = f"{name} has no forward of its own (a container the model loops over), so no hook of its ever runs"
+    else:
+        parent_prefix, _, child_name = prefix.rpartition(".")
+        parent = module.get_submodule(parent_prefix)
+        if not (isinstance(parent, nn.MultiheadAttention) and child_name == "out_proj"):
+            return
+        why = ("nn.MultiheadAttention reads its out_proj's weight and bias in its own forward without calling"
+               " out_proj, so out_proj's hooks never run")
+    raise ValueError(
+        f"ZeroConfig.unit_modules names {name!r}, but '{prefix}' cannot be a ZeRO-3 unit: {why}, and its"
+        " parameters would stay each rank's 1-d piece where they are read. Leave it out of unit_modules (its"
+        " parameters then join the unit of the module around it) and name the module that runs it, e.g. the"
+        " block it belongs to."
+    )
+
+
 def choose_unit_modules(module: nn.Module, unit_classes: Sequence[str], min_unit_numel: int) -> dict[str, nn.Module | None]:
     """Module prefixes that become units ("" is the root, always a unit).
 
@@ -193,6 +214,7 @@ def choose_unit_modules(module: nn.Module, unit_classes: Sequence[str], min_unit
         wanted = set(unit_classes)
         for prefix, submodule in module.named_modules():
             if prefix and type(submodule).__name__ in wanted:
+                _check_called(module, prefix, submodule)
                 units[prefix] = submodule
         present = {type(m).__name__ for m in units.values() if m is not module}
         if wanted - present:
