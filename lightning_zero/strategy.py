@@ -114,7 +114,7 @@ from lightning_zero.zero.consistency import (
     check_same_model,
     optimizer_number,
 )
-from lightning_zero.zero.engine import ZeroEngine, make_engine
+from lightning_zero.zero.engine import ZeroEngine, collect_dropped_engines, make_engine
 from lightning_zero.zero.layout import ParamPiece
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.stage3 import PiecesSource, Zero3Engine
@@ -501,6 +501,9 @@ class ZeroStrategy(ParallelStrategy):
         self._engine = make_engine(module, self.engine_collectives, self.config, precision.param_dtype,
                                    self.root_device, init=init, source=taken.source if taken is not None else None)
         self._taken_pieces = None  # the new engine holds the values now; the old one and its pieces go
+        if taken is not None:
+            taken = None
+            collect_dropped_engines()  # the old engine and its optimizers' state (see [Note: engines of earlier runs])
         if self._tensor_parallel is not None:
             self._tensor_parallel.install_hooks()
         if self._engine.stage_shards_params:

@@ -6,7 +6,9 @@ zero/stage3/engine.py). 2 gloo ranks."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from typing import Any
 from unittest import mock
 
@@ -17,6 +19,7 @@ from torch import Tensor
 
 from harness import launched_environment, run_on_ranks
 from lightning_zero import ZeroConfig, ZeroStrategy, gather_after_error
+from lightning_zero.zero import engine as engine_module
 from models import TinyGPT, fit, loader, params_of
 
 WORLD = 2
@@ -182,6 +185,46 @@ def _short_of_memory(make: Any, directory: str) -> dict[str, Any]:
             "warnings": [str(w.message) for w in caught if "not handed back whole" in str(w.message)]}
 
 
+class _Refs(pl.Callback):
+    """Weak references to the run's optimizers, and whether the ones of an earlier run were
+    freed by the time this one starts training."""
+
+    def __init__(self, earlier: list[weakref.ref] | None = None) -> None:
+        self.refs: list[weakref.ref] = []
+        self.earlier = earlier or []
+        self.earlier_alive: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.refs = [weakref.ref(optimizer) for optimizer in trainer.strategy.optimizers]
+        self.earlier_alive = sum(ref() is not None for ref in self.earlier)
+
+
+def _dropped_trainer(make: Any, collect_from_bytes: int, fail: bool = True) -> dict[str, Any]:
+    """[Note: engines of earlier runs]: the Trainer of a run stopped by an error (or of one that
+    ended) is dropped; the next fit frees its optimizers (state, masters) before its own are
+    set up once the engines' parameters reach COLLECT_FROM_BYTES. Python's own collector is off,
+    so only the engine's collection can free them."""
+    torch.manual_seed(0)
+    module = FailsAtStep2()
+    module.fail = fail
+    first = _Refs()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with mock.patch.object(engine_module, "COLLECT_FROM_BYTES", collect_from_bytes):
+            try:
+                fit(module, make(), WORLD, steps=5, callbacks=[first])
+            except ValueError:
+                pass
+            module.fail = False
+            second = _Refs(first.refs)
+            fit(module, make(), WORLD, steps=2, callbacks=[second])
+    finally:
+        if enabled:
+            gc.enable()
+    return {"optimizers": len(first.refs), "earlier_alive": second.earlier_alive}
+
+
 def _cases(directory: str) -> dict[str, Any]:
     stage3 = lambda: ZeroStrategy(config=ZeroConfig(stage=3, min_unit_numel=1))  # noqa: E731
     return {
@@ -197,6 +240,10 @@ def _cases(directory: str) -> dict[str, Any]:
         "zero3_norm_statistics": _norm_statistics_after_mixed(stage3),
         "zero3_bf16_two_steps": _two_steps(stage3, "bf16-mixed"),
         "zero3_mid_backward": _mid_backward(stage3),
+        "dropped_trainer": {"collects": _dropped_trainer(stage3, 0),
+                            "after_a_finished_fit": _dropped_trainer(stage3, 0, fail=False),
+                            "zero2": _dropped_trainer(lambda: "zero2", 0, fail=False),
+                            "small_model": _dropped_trainer(stage3, engine_module.COLLECT_FROM_BYTES)},
     }
 
 
@@ -286,3 +333,14 @@ def test_a_module_the_host_cannot_take_whole_stays_in_pieces_and_is_not_lost(ran
         assert case["gathered"] is True
         assert case["whole"].keys() == ended.keys() == case["loaded"].keys()
         assert all(torch.equal(case["whole"][k], ended[k]) and torch.equal(case["loaded"][k], ended[k]) for k in ended)
+
+
+def test_the_next_fit_frees_the_optimizers_of_a_dropped_trainer_first(ranks: list[dict[str, Any]]) -> None:
+    """[Note: engines of earlier runs]: a dropped Trainer's optimizer state lives on in reference
+    cycles until Python collects them; with a model of COLLECT_FROM_BYTES or more the next engine
+    collects first, a small one leaves it to Python."""
+    for per_rank in ranks:
+        cases = per_rank["dropped_trainer"]
+        for case in ("collects", "after_a_finished_fit", "zero2"):
+            assert cases[case]["optimizers"] == 1 and cases[case]["earlier_alive"] == 0, case
+        assert cases["small_model"]["optimizers"] == 1 and cases["small_model"]["earlier_alive"] == 1

@@ -12,6 +12,8 @@ branches; :func:`make_engine` is the one place that picks the stage.
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -137,6 +139,29 @@ class ZeroEngine(Protocol):
     def remove_hooks(self) -> None: ...
 
 
+# [Note: engines of earlier runs]
+# A Trainer (or Fabric) and its engine, optimizers and optimizer state hold each other in
+# reference cycles, so a Trainer the user dropped (``trainer = pl.Trainer(...)`` again, after an
+# error or a finished fit) is freed only when Python's cyclic collector next runs, and large
+# tensors do not prompt it: it counts objects, not bytes. Its masters, optimizer state and pieces
+# then stay beside the new engine's, twice the model state at the moment a large model can least
+# afford it. So building an engine while engines built earlier in this process are still alive
+# runs one full collection first, when they were built over at least COLLECT_FROM_BYTES of
+# parameters: a collection costs about 0.2 s with transformers loaded, and for a small model the
+# state it could free is small too. An engine built from another's pieces (see [Note: re-sharding
+# a module left in pieces]) needs that one alive while it builds; its caller collects again once
+# it has let go of it, before the new optimizers' state is allocated.
+COLLECT_FROM_BYTES = 256 << 20
+_ENGINES_BUILT: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # engine -> its parameters' bytes
+
+
+def collect_dropped_engines() -> None:
+    """One full collection of Python's garbage when the engines built so far and still alive
+    were built over at least COLLECT_FROM_BYTES of parameters (see [Note: engines of earlier runs])."""
+    if sum(_ENGINES_BUILT.values(), 0) >= COLLECT_FROM_BYTES and len(_ENGINES_BUILT):
+        gc.collect()
+
+
 def make_engine(
     module: nn.Module,
     collectives: Collectives | CountingCollectives,
@@ -150,13 +175,18 @@ def make_engine(
     their real values; for a module on the meta device, materialized unit by unit with ``init``,
     or taken unit by unit from the pieces another engine holds, ``source``) and hooked; at stages
     1/2 whole (each optimizer's buffers come with ``wrap_optimizer``)."""
+    collect_dropped_engines()  # see [Note: engines of earlier runs]
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     if config.stage != 3:
         from lightning_zero.zero.flat import FlatEngine
 
-        return FlatEngine(module, collectives, config, param_dtype)
+        flat = FlatEngine(module, collectives, config, param_dtype)
+        _ENGINES_BUILT[flat] = param_bytes
+        return flat
     from lightning_zero.zero.stage3 import Zero3Engine
 
     engine = Zero3Engine(module, collectives, config, param_dtype, device)
+    _ENGINES_BUILT[engine] = param_bytes
     if source is not None:
         engine.shard_from(source)
     elif init is not None:
@@ -167,4 +197,4 @@ def make_engine(
     return engine
 
 
-__all__ = ["ZeroEngine", "make_engine"]
+__all__ = ["ZeroEngine", "collect_dropped_engines", "make_engine"]
