@@ -40,6 +40,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -109,6 +110,7 @@ from lightning_zero.zero.comm import GLOO_HELD, Collectives, CountingCollectives
 from lightning_zero.zero.consistency import (
     CollectiveAgreement,
     agree_after_batch,
+    agree_at_batch_start,
     agree_before_step,
     agree_on_batches,
     check_same_model,
@@ -430,6 +432,13 @@ class ZeroStrategy(ParallelStrategy):
             # Trainer(sync_batchnorm=True): before the engine takes the parameters, as DDP converts
             # before wrapping; reverted at teardown.
             self.model = self._layer_sync.apply(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            # A fit again on the same Trainer: the engine and optimizers its last run kept (for a
+            # save_checkpoint after it) go before this run builds its own, so that collecting them
+            # can free their state (see [Note: engines of earlier runs] in zero/engine.py).
+            self._engine = None
+            self.optimizers = []
+            self.lr_scheduler_configs = []
         self._take_pieces(self.lightning_module)
         try:
             # Before the first collective that depends on the model (see [Note: ranks that disagree]).
@@ -513,25 +522,39 @@ class ZeroStrategy(ParallelStrategy):
                 self._agree_at_batch_starts(module.trainer)
 
     def _agree_at_batch_starts(self, trainer: pl.Trainer | None) -> None:
-        """Stage 3: Lightning opens each training batch with a ``torch.distributed.broadcast`` of
-        its SIGTERM flag, outside the strategy, and takes any error in it for "no SIGTERM". A rank
-        still gathering for a forward the others never ran (a ``generate`` under ``if
-        trainer.is_global_zero:`` in ``on_train_batch_end`` or ``on_train_epoch_end``) would meet
-        that broadcast and wait for the process group's timeout, then train on out of step. The
-        ranks agree before it, as before the strategy's own collectives, so every rank raises at
-        once; one small exchange per batch, beside the agreement of every gather."""
+        """Stage 3 (see [Note: the start of a training batch]): the ranks agree at the start of
+        each training batch, where Lightning broadcasts its SIGTERM flag, and the agreement carries
+        that flag instead: Lightning's broadcast and the one in its SIGTERM handler are left out."""
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        if loop is None or not callable(getattr(loop, "_broadcast_sigterm_tensor", None)):
+        signals = getattr(trainer, "_signal_connector", None)
+        if (loop is None or signals is None or not callable(getattr(loop, "_broadcast_sigterm_tensor", None))
+                or not callable(getattr(signals, "_sigterm_notifier_fn", None))):
             return  # a Lightning without that broadcast: nothing outside the strategy to agree before
-        loop.__dict__.pop("_broadcast_sigterm_tensor", None)  # never wrap a wrapper of an earlier setup
-        broadcast = loop._broadcast_sigterm_tensor
+        for owner, name in ((loop, "_broadcast_sigterm_tensor"), (signals, "_sigterm_notifier_fn")):
+            owner.__dict__.pop(name, None)  # never wrap a wrapper of an earlier setup
+        sigterm = _SigtermSeen()
 
-        def agreed_broadcast() -> None:
-            with self._agreed("trainer.fit_loop.sigterm_broadcast"):
-                broadcast()
+        def note_sigterm(signum: int, frame: Any) -> None:
+            log.info(f"[rank: {self.global_rank}] Received SIGTERM: {signum}; every rank stops at the start of the next"
+                     " training batch")
+            if not sigterm.seen and self.launcher is not None:
+                self.launcher.kill(signum)  # as Lightning's handler: the launcher's other processes get it too
+            sigterm.seen = True
 
-        loop._broadcast_sigterm_tensor = agreed_broadcast
-        self._unagree_batch_starts = lambda: loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        def agreed_batch_start() -> None:
+            if agree_at_batch_start(self.collectives, self._synced_backwards, sigterm.seen):
+                signals.received_sigterm = True
+                raise SIGTERMException()
+
+        loop._broadcast_sigterm_tensor = agreed_batch_start
+        # Read by register_signal_handlers, which the Trainer calls after the strategy's setup.
+        signals._sigterm_notifier_fn = note_sigterm
+
+        def undo() -> None:
+            loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            signals.__dict__.pop("_sigterm_notifier_fn", None)
+
+        self._unagree_batch_starts = undo
 
     def _localize_tensor_parallel(self, module: Module) -> None:
         """The DTensor parameters of a tensor-parallel plan become local parameters the engine
@@ -1514,6 +1537,28 @@ def _leave_in_pieces(module: Module, engine: ZeroEngine, from_master: bool, beca
         " trainer.fit/validate/test/predict of this module builds its engine from them (at stage 3, without a"
         " tensor or pipeline mesh) or gathers them back first; to use it outside a Trainer, call"
         " lightning_zero.gather_after_error(module) on every rank.")
+
+
+# [Note: the start of a training batch]
+# Lightning 2.6 opens each training batch with a torch.distributed.broadcast of its SIGTERM flag,
+# outside the strategy, and takes any error in it for "no SIGTERM"; its SIGTERM handler runs a
+# broadcast of its own on the rank that got the signal, wherever that rank is. At stage 3 a rank
+# still gathering for a forward the others never ran (a generate under `if trainer.is_global_zero:`
+# in on_train_batch_end or on_train_epoch_end) met the per-batch broadcast and waited for the
+# process group's timeout, then trained on out of step. So the ranks agree at the start of each
+# batch, as before the strategy's own collectives (one small exchange per batch, beside one per
+# gather), and every rank raises at once. The agreement carries the SIGTERM flag in the
+# broadcast's place: the handler only notes the signal (and passes it to the launcher's other
+# processes, as Lightning's does), without a broadcast that would meet an agreement instead and
+# leave that rank waiting inside its signal handler, and without setting trainer.received_sigterm,
+# which Lightning reads at the end of a batch or epoch on that rank alone. A SIGTERM on any rank
+# stops every rank together at the start of the next training batch (SIGTERMException, with
+# trainer.received_sigterm set), where Lightning's broadcast heard only rank 0's.
+class _SigtermSeen:
+    """Whether this rank got SIGTERM since its last agreement at a batch start."""
+
+    def __init__(self) -> None:
+        self.seen = False
 
 
 class _TakenPieces:

@@ -103,8 +103,11 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
                         daemon=True)
         for rank in range(world_size)
     ]
+    pidfds = []  # to kill a rank by pid safely once the fork server is gone (below): no reused pid
     for process in processes:
         process.start()
+        with suppress(OSError):
+            pidfds.append((process, os.pidfd_open(process.pid)))
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:
@@ -120,12 +123,14 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
             process.join(timeout=5 if failures else 60)
             if process.is_alive():
                 process.kill()
-            elif process.exitcode == 255 and failures:
+        for process, pidfd in pidfds:
+            if process.exitcode == 255 and failures:
                 # What multiprocessing reports for every rank once the fork server itself is gone
                 # (killed from outside): it can no longer tell whether the rank lives, so kill()
                 # would do nothing, and a rank left waiting in a collective spins on as an orphan.
-                with suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGKILL)
+                with suppress(OSError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
     if failures:
         raise RuntimeError("a rank failed:\n" + "\n".join(failures))
     return [results[rank] for rank in range(world_size)]

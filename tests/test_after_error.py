@@ -211,7 +211,8 @@ def _dropped_trainer(make: Any, collect_from_bytes: int, fail: bool = True) -> d
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with mock.patch.object(engine_module, "COLLECT_FROM_BYTES", collect_from_bytes):
+        with mock.patch.object(engine_module, "COLLECT_FROM_BYTES", collect_from_bytes), \
+                mock.patch.object(engine_module.gc, "collect", side_effect=gc.collect) as collect:
             try:
                 fit(module, make(), WORLD, steps=5, callbacks=[first])
             except ValueError:
@@ -222,7 +223,7 @@ def _dropped_trainer(make: Any, collect_from_bytes: int, fail: bool = True) -> d
     finally:
         if enabled:
             gc.enable()
-    return {"optimizers": len(first.refs), "earlier_alive": second.earlier_alive}
+    return {"optimizers": len(first.refs), "earlier_alive": second.earlier_alive, "collections": collect.call_count}
 
 
 def _cases(directory: str) -> dict[str, Any]:
@@ -338,9 +339,10 @@ def test_a_module_the_host_cannot_take_whole_stays_in_pieces_and_is_not_lost(ran
 def test_the_next_fit_frees_the_optimizers_of_a_dropped_trainer_first(ranks: list[dict[str, Any]]) -> None:
     """[Note: engines of earlier runs]: a dropped Trainer's optimizer state lives on in reference
     cycles until Python collects them; with a model of COLLECT_FROM_BYTES or more the next engine
-    collects first, a small one leaves it to Python."""
+    collects first, a small one leaves it to Python (no collection)."""
     for per_rank in ranks:
         cases = per_rank["dropped_trainer"]
         for case in ("collects", "after_a_finished_fit", "zero2"):
             assert cases[case]["optimizers"] == 1 and cases[case]["earlier_alive"] == 0, case
-        assert cases["small_model"]["optimizers"] == 1 and cases["small_model"]["earlier_alive"] == 1
+            assert cases[case]["collections"] >= 1, case
+        assert cases["small_model"]["collections"] == 0

@@ -382,6 +382,10 @@ def test_a_unit_module_named_by_class_whose_forward_never_runs_is_refused() -> N
     # What runs its forward stays a unit: the layer, its attention, the Linear inside the layer.
     units = choose_unit_modules(model, ("TransformerEncoderLayer", "MultiheadAttention", "Linear"), 0)
     assert set(units) == {"", "layers.0", "layers.0.self_attn", "layers.0.linear1", "layers.0.linear2", "head"}
+    # So does a module whose forward is set on the instance (its hooks run when it is called).
+    table = nn.ModuleDict({"a": nn.Linear(4, 4)})
+    table.forward = lambda x: table["a"](x)  # type: ignore[method-assign]
+    assert set(choose_unit_modules(nn.Sequential(table), ("ModuleDict",), 0)) == {"", "0"}
 
 
 def test_a_container_without_forward_is_never_a_unit() -> None:

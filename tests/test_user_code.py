@@ -5,6 +5,8 @@ error on every rank instead of a hang or an abort. Two gloo ranks, one spawn."""
 
 from __future__ import annotations
 
+import os
+import signal
 import tempfile
 import time
 import warnings
@@ -15,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -345,6 +348,46 @@ def _generate_on_rank_zero_only(hook: str) -> dict[str, Any]:
 
     return {**_error_of(run), "wrapped_while_training": callback.wrapped_sigterm_broadcast,
             "wrapped_after": "_broadcast_sigterm_tensor" in vars(trainer[0].fit_loop.epoch_loop)}
+
+
+class TermsAtBatch1(Callback):
+    """SIGTERM to this process at the end of training batch 1, on ``ranks`` only (a preempted node)."""
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx == 1 and trainer.global_rank in self.ranks:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _sigterm(ranks: tuple[int, ...]) -> dict[str, Any]:
+    """[Note: the start of a training batch]: the agreement at each batch start carries the
+    SIGTERM flag in the place of Lightning's broadcasts, so a SIGTERM on any one rank stops every
+    rank at the next batch (Lightning's own handler broadcast from inside the signal handler,
+    which met the agreement instead and waited for the process group's timeout)."""
+    pl.seed_everything(0)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    trainer: list[pl.Trainer] = []
+
+    def run() -> None:
+        with launched_environment():
+            trainer.append(pl.Trainer(accelerator="cpu", devices=WORLD, strategy=ZeroStrategy(config=ZeroConfig(
+                stage=3, min_unit_numel=1)), logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, callbacks=[TermsAtBatch1(ranks)], max_steps=6))
+            trainer[0].fit(TinyGPT(), train_dataloaders=loader())
+
+    start = time.monotonic()
+    try:
+        run()
+        message = "no error"
+    except SIGTERMException as error:  # a BaseException, as KeyboardInterrupt
+        message = f"{type(error).__name__}: {error}"
+    return {"message": message, "seconds": time.monotonic() - start, "received_sigterm": trainer[0].received_sigterm, "steps": trainer[0].global_step,
+            "handler_restored": signal.getsignal(signal.SIGTERM) == handler_before,
+            "hooks_left": sorted({"_broadcast_sigterm_tensor", "_sigterm_notifier_fn"}
+                                 & (set(vars(trainer[0].fit_loop.epoch_loop)) | set(vars(trainer[0]._signal_connector))))}
 
 
 def _generate(strategy: Any, uneven: bool = False) -> list[Tensor]:
@@ -713,6 +756,7 @@ def _all(directory: str) -> dict[str, Any]:
         "generate_uneven": {"ddp": _generate("ddp", uneven=True), "zero3": _generate(ZeroStrategy(config=ZeroConfig(
             stage=3, unit_modules=("GPT2Block",))), uneven=True)},
         "generate_on_rank_zero": {hook: _generate_on_rank_zero_only(hook) for hook in GENERATE_HOOKS},
+        "sigterm": {str(ranks): _sigterm(ranks) for ranks in ((0,), (1,))},
         "compiled_unit": {name: _compiled_unit(strategy()) for name, strategy in (("ddp", lambda: "ddp"), ("zero3", zero3))},
         "disagree": _disagreeing_ranks(),
         "stale_graph": _stale_graphs(),
@@ -835,6 +879,16 @@ def test_a_generate_on_rank_zero_only_is_an_error_on_every_rank_not_a_hang(hook:
         assert len(case["wrapped_while_training"]) == {"on_validation_epoch_end": 0, "on_train_epoch_end": 3,
                                                        "on_train_batch_end": 2}[hook]
         assert not case["wrapped_after"]
+
+
+@pytest.mark.parametrize("ranks", [(0,), (1,)])
+def test_a_sigterm_on_one_rank_stops_every_rank_at_the_next_batch(ranks: tuple[int, ...]) -> None:
+    for per_rank in outcome():
+        case = per_rank["sigterm"][str(ranks)]
+        assert case["message"].startswith("SIGTERMException"), case["message"]
+        assert case["seconds"] < 60 and case["received_sigterm"]
+        assert case["steps"] == 2  # batches 0 and 1 stepped; every rank stopped before batch 2's forward
+        assert case["handler_restored"] and case["hooks_left"] == []
 
 
 def test_ranks_running_different_units_get_an_error_naming_them() -> None:

@@ -342,6 +342,22 @@ def agree_before_collective(collectives: AnyCollectives, call: str, pending_back
     at the same call and holds as many synchronized backwards not stepped yet, or every rank raises.
     A rank still inside a step (its agreement) meets this one and both raise."""
     rows = agree_at(collectives, Point.COLLECTIVE, [LOOP_COLLECTIVES.index(call) + 1, pending_backwards])
+    _raise_unless_same_collective(rows)
+
+
+def agree_at_batch_start(collectives: AnyCollectives, pending_backwards: int, sigterm: bool) -> bool:
+    """At the start of a training batch, where Lightning broadcasts its SIGTERM flag: every rank is
+    here and holds as many synchronized backwards not stepped yet, or every rank raises (as
+    ``agree_before_collective``). Returns whether any rank received SIGTERM (``sigterm``), which
+    every rank learns at once."""
+    code = LOOP_COLLECTIVES.index("trainer.fit_loop.sigterm_broadcast") + 1
+    rows = agree_at(collectives, Point.COLLECTIVE, [code, pending_backwards, int(sigterm)])
+    _raise_unless_same_collective([row[:2] for row in rows])
+    return any(row[2] for row in rows)
+
+
+def _raise_unless_same_collective(rows: Sequence[Sequence[int]]) -> None:
+    """``rows``: each rank's (LOOP_COLLECTIVES code, synchronized backwards not stepped yet)."""
     if len({tuple(row) for row in rows}) == 1:
         return
     places = "; ".join(f"rank {rank} {_loop_place(row[0])}" for rank, row in enumerate(rows))

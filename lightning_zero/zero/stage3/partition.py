@@ -180,7 +180,7 @@ def _check_called(module: nn.Module, prefix: str, submodule: nn.Module) -> None:
     """Refuses a unit module named by class whose forward never runs: a unit is gathered by its
     module's forward hooks, so its parameters would stay 1-d pieces where they are read."""
     name = type(submodule).__name__
-    if type(submodule).forward is nn.Module.forward:
+    if type(submodule).forward is nn.Module.forward and "forward" not in vars(submodule):
         why = f"{name} has no forward of its own (a container the model loops over), so no hook of its ever runs"
     else:
         parent_prefix, _, child_name = prefix.rpartition(".")
