@@ -378,13 +378,7 @@ def _sigterm(ranks: tuple[int, ...]) -> dict[str, Any]:
                 enable_model_summary=False, callbacks=[TermsAtBatch1(ranks)], max_steps=6))
             trainer[0].fit(TinyGPT(), train_dataloaders=loader())
 
-    start = time.monotonic()
-    try:
-        run()
-        message = "no error"
-    except SIGTERMException as error:  # a BaseException, as KeyboardInterrupt
-        message = f"{type(error).__name__}: {error}"
-    return {"message": message, "seconds": time.monotonic() - start, "received_sigterm": trainer[0].received_sigterm, "steps": trainer[0].global_step,
+    return {**_error_of(run), "received_sigterm": trainer[0].received_sigterm, "steps": trainer[0].global_step,
             "handler_restored": signal.getsignal(signal.SIGTERM) == handler_before,
             "hooks_left": sorted({"_broadcast_sigterm_tensor", "_sigterm_notifier_fn"}
                                  & (set(vars(trainer[0].fit_loop.epoch_loop)) | set(vars(trainer[0]._signal_connector))))}
@@ -403,7 +397,7 @@ def _error_of(run: Any) -> dict[str, Any]:
     try:
         run()
         message = "no error"
-    except Exception as error:  # noqa: BLE001 - the test asserts the type and the text
+    except (Exception, SIGTERMException) as error:  # noqa: BLE001 - the test asserts the type and the text
         message = f"{type(error).__name__}: {error}"
     return {"message": message, "seconds": time.monotonic() - start}
 

@@ -326,14 +326,12 @@ def agree_after_batch(collectives: AnyCollectives, steps: int, pending_backwards
         )
 
 
-def _loop_collective(code: int) -> str:
-    return f"{LOOP_COLLECTIVES[code - 1]}()" if 1 <= code <= len(LOOP_COLLECTIVES) else f"collective #{code}"
-
-
 def _loop_place(code: int) -> str:
     """Where a rank at LOOP_COLLECTIVES' ``code`` is, in words."""
-    name = LOOP_COLLECTIVES[code - 1] if 1 <= code <= len(LOOP_COLLECTIVES) else ""
-    return _LOOP_COLLECTIVE_PLACES.get(name, f"calls {_loop_collective(code)}")
+    if not 1 <= code <= len(LOOP_COLLECTIVES):
+        return f"calls collective #{code}"
+    name = LOOP_COLLECTIVES[code - 1]
+    return _LOOP_COLLECTIVE_PLACES.get(name, f"calls {name}()")
 
 
 def agree_before_collective(collectives: AnyCollectives, call: str, pending_backwards: int) -> None:

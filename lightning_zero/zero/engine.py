@@ -158,7 +158,7 @@ _ENGINES_BUILT: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary(
 def collect_dropped_engines() -> None:
     """One full collection of Python's garbage when the engines built so far and still alive
     were built over at least COLLECT_FROM_BYTES of parameters (see [Note: engines of earlier runs])."""
-    if sum(_ENGINES_BUILT.values(), 0) >= COLLECT_FROM_BYTES and len(_ENGINES_BUILT):
+    if _ENGINES_BUILT and sum(_ENGINES_BUILT.values()) >= COLLECT_FROM_BYTES:
         gc.collect()
 
 
@@ -177,23 +177,24 @@ def make_engine(
     1/2 whole (each optimizer's buffers come with ``wrap_optimizer``)."""
     collect_dropped_engines()  # see [Note: engines of earlier runs]
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    engine: ZeroEngine
     if config.stage != 3:
         from lightning_zero.zero.flat import FlatEngine
 
-        flat = FlatEngine(module, collectives, config, param_dtype)
-        _ENGINES_BUILT[flat] = param_bytes
-        return flat
-    from lightning_zero.zero.stage3 import Zero3Engine
-
-    engine = Zero3Engine(module, collectives, config, param_dtype, device)
-    _ENGINES_BUILT[engine] = param_bytes
-    if source is not None:
-        engine.shard_from(source)
-    elif init is not None:
-        engine.materialize_and_shard(init)
+        engine = FlatEngine(module, collectives, config, param_dtype)
     else:
-        engine.shard()
-    engine.install_hooks()
+        from lightning_zero.zero.stage3 import Zero3Engine
+
+        sharded = Zero3Engine(module, collectives, config, param_dtype, device)
+        if source is not None:
+            sharded.shard_from(source)
+        elif init is not None:
+            sharded.materialize_and_shard(init)
+        else:
+            sharded.shard()
+        sharded.install_hooks()
+        engine = sharded
+    _ENGINES_BUILT[engine] = param_bytes
     return engine
 
 
